@@ -1,0 +1,1 @@
+//! weir test kit
