@@ -1,1 +1,267 @@
+//! The work-queue contract of weir and its backends.
+//!
+//! Every external event becomes a [`WorkItem`] journaled through [`WorkQueue::add`] before
+//! anything runs; the executor claims items, runs their waves, and ends each item with exactly
+//! one [`WorkQueue::commit`] that carries all of the wave's effects. The [`memory`] backend is
+//! for tests and throwaway runs (`durable: false`); durable backends plug in behind the same
+//! trait and run the same [`conformance`] suite.
 
+pub mod failpoint;
+mod item;
+pub mod memory;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use ulid::Ulid;
+
+pub use failpoint::Failpoints;
+pub use item::{now_ms, ItemKind, Message, WorkItem, ITEM_VERSION};
+pub use memory::MemoryQueue;
+pub use weir_state::{StateError, StateKey, StateRead, StateWrite, Versioned};
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// The backend cannot be reached or cannot write (Redis down, disk full). Transient:
+    /// callers back off and try again; webhooks answer 503.
+    #[error("queue backend unavailable: {0}")]
+    Unavailable(String),
+    /// The ready queue is at its bound: webhooks answer 429, MQTT acks are withheld.
+    #[error("queue is full ({0} items ready)")]
+    Full(usize),
+    #[error("no item {0}")]
+    NotFound(Ulid),
+    /// The operation does not apply to the item in its current state.
+    #[error("{0}")]
+    Conflict(String),
+    /// Something stored cannot be decoded.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+impl From<StateError> for QueueError {
+    fn from(e: StateError) -> Self {
+        QueueError::Unavailable(e.0)
+    }
+}
+
+/// A claimed item: the item as journaled (with `deliveries` already bumped) and the lease that
+/// proves this engine still owns it when it commits.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub item: WorkItem,
+    pub lease: u64,
+    pub consumer: String,
+    /// The item was handed out by a step of its paused flow: it runs instead of parking again.
+    pub stepped: bool,
+}
+
+/// How a claimed item ends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum End {
+    /// The wave quiesced: the item is done.
+    Ack,
+    /// Its flow is paused: keep it, in order, until resume or step. Refused if the flow is no
+    /// longer paused when the commit runs.
+    Park,
+    /// Set aside with a reason, visible and replayable.
+    DeadLetter(String),
+    /// A guard no longer held: a newer timer replaced this one.
+    Superseded,
+}
+
+/// A side effect already performed for (item, node, position in the wave's walk).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DoneKey {
+    pub item: Ulid,
+    pub node: String,
+    pub position: u32,
+}
+
+/// Everything one wave leaves behind, committed together or not at all.
+#[derive(Debug, Clone, Default)]
+pub struct WaveEffects {
+    pub end: Option<End>,
+    /// Items ready now.
+    pub follow_ups: Vec<WorkItem>,
+    /// Items with `not_before` (and perhaps a guard).
+    pub delayed: Vec<WorkItem>,
+    /// New items that go straight to the dead letters, each with its reason (a node that
+    /// failed permanently inside a wave that otherwise went on).
+    pub dead: Vec<(WorkItem, String)>,
+    pub state: Vec<StateWrite>,
+    /// (key, value) pairs that must still hold at commit time.
+    pub guards: Vec<(StateKey, serde_json::Value)>,
+    /// What to record as the item's outcome, for the operator (`weir queue show`).
+    pub outcome: Option<String>,
+}
+
+impl WaveEffects {
+    pub fn ending(end: End) -> Self {
+        WaveEffects {
+            end: Some(end),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Committed {
+    Done,
+    /// Nothing was written: this engine no longer owns the item, a state version moved, a
+    /// guard no longer holds, or (for Park) the flow is no longer paused.
+    Conflict,
+}
+
+/// The answer to a `respond: wave` webhook, travelling through the backend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    pub ready: usize,
+    pub in_flight: usize,
+    pub delayed: usize,
+    pub parked: usize,
+    pub dead: usize,
+    /// Age of the oldest item that is ready or in flight, in milliseconds.
+    pub oldest_pending_age_ms: Option<i64>,
+    pub durable: bool,
+}
+
+/// Where an item stands.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ItemState {
+    Waiting,
+    InFlight { consumer: String, since: i64 },
+    Delayed { due: i64 },
+    Parked,
+    Dead { reason: String, at: i64 },
+    Finished { outcome: String, at: i64 },
+}
+
+impl ItemState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ItemState::Waiting => "waiting",
+            ItemState::InFlight { .. } => "in_flight",
+            ItemState::Delayed { .. } => "delayed",
+            ItemState::Parked => "parked",
+            ItemState::Dead { .. } => "dead",
+            ItemState::Finished { .. } => "finished",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ItemView {
+    pub item: WorkItem,
+    #[serde(flatten)]
+    pub state: ItemState,
+}
+
+/// Which items to list.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub flow: Option<String>,
+    /// One of the names of [`ItemState::name`].
+    pub state: Option<String>,
+    /// Items after this id (paging).
+    pub after: Option<Ulid>,
+    pub limit: usize,
+}
+
+/// The queue contract. Every backend MUST behave as described here; the conformance suite
+/// checks each sentence it can.
+///
+/// - **Journaling.** When `add` returns `Ok`, its items are durable (for a durable backend)
+///   and will be delivered at least once. A batch is all-or-nothing.
+/// - **Order.** Ready items are claimed in journal order (the order they were added, or
+///   became ready). Items of one flow are never handed out out of that order by one claim.
+/// - **Delivery.** `claim` hands an item to one consumer and bumps `deliveries` durably before
+///   returning it, so an item that crashes the engine still reaches the delivery ceiling.
+///   A claimed item stays in flight until its commit; `reclaim_stale` makes items idle longer
+///   than `min_idle` claimable again, and their next claim carries the new delivery count.
+/// - **Commit.** `commit` is the one way an item ends. It applies all of the wave's effects
+///   (end, follow-up, delayed and dead items, state writes) atomically, or none of them; it
+///   MUST answer `Conflict` and write nothing when the lease is no longer the item's current
+///   one, when a state version differs from the one read, when a guard does not hold, or when
+///   ending with `Park` and the flow is not paused.
+/// - **Delayed items** become ready when `move_due` runs at or after their `not_before`;
+///   promotion neither loses nor duplicates an item.
+/// - **Park.** Parked items are kept per flow in journal order; `unpark` makes all of them
+///   ready, oldest first; `unpark_one` makes exactly the oldest ready and hands it out with
+///   `stepped = true`, so it runs although the flow is paused.
+/// - **Done markers** survive until the commit that ends their item, which deletes them.
+/// - **Dead letters** stay listable with their reason until replayed or discarded by hand.
+/// - **Idempotency.** `add_idempotent` with a key seen before adds nothing and returns the
+///   first item's id.
+#[async_trait::async_trait]
+pub trait WorkQueue: StateRead + Send + Sync {
+    /// `false` for the memory backend: a crash loses everything.
+    fn durable(&self) -> bool;
+
+    /// Journal items (ready now, or delayed when `not_before` is in the future).
+    async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError>;
+
+    /// Journal `item` unless `key` was used before; returns the id journaled under `key` and
+    /// whether it is new.
+    async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError>;
+
+    /// Claim a cron tick and journal its item in one step: only if `tick` (ms) is later than the
+    /// tick stored under `key`. Several engines firing the same tick journal it once.
+    async fn add_tick(&self, key: &StateKey, tick: i64, item: WorkItem) -> Result<bool, QueueError>;
+
+    /// Up to `max` ready items, waiting up to `wait` for the first.
+    async fn claim(&self, consumer: &str, max: usize, wait: Duration)
+        -> Result<Vec<Claimed>, QueueError>;
+
+    /// End a claimed item with its wave's effects, atomically.
+    async fn commit(&self, claimed: &Claimed, effects: WaveEffects) -> Result<Committed, QueueError>;
+
+    /// Make in-flight items idle longer than `min_idle` claimable again; returns how many.
+    async fn reclaim_stale(&self, min_idle: Duration) -> Result<usize, QueueError>;
+
+    /// Promote delayed items due at `now` (ms); returns how many.
+    async fn move_due(&self, now: i64) -> Result<usize, QueueError>;
+
+    /// The earliest `not_before` among delayed items.
+    async fn next_due(&self) -> Result<Option<i64>, QueueError>;
+
+    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError>;
+    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError>;
+    /// Make every parked item of `flow` ready, oldest first; returns how many.
+    async fn unpark(&self, flow: &str) -> Result<usize, QueueError>;
+    /// Make the oldest parked item of `flow` ready, to run once although the flow is paused.
+    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError>;
+    /// Drop every waiting, delayed and parked item of `flow`; returns how many.
+    async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError>;
+
+    async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError>;
+    async fn was_done(&self, key: &DoneKey) -> Result<Option<Vec<Vec<Message>>>, QueueError>;
+
+    /// Post the reply of a `respond: wave` webhook for item `id`.
+    async fn post_reply(&self, id: Ulid, reply: Reply) -> Result<(), QueueError>;
+    /// Wait up to `wait` for the reply to item `id`.
+    async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError>;
+
+    async fn stats(&self) -> Result<Stats, QueueError>;
+    /// Dead letters, newest first.
+    async fn dead_letters(&self, n: usize) -> Result<Vec<ItemView>, QueueError>;
+    async fn get(&self, id: Ulid) -> Result<Option<ItemView>, QueueError>;
+    async fn list(&self, filter: ListFilter) -> Result<Vec<ItemView>, QueueError>;
+    /// Cancel a waiting, delayed or parked item by hand (outcome "cancelled by hand").
+    async fn cancel(&self, id: Ulid) -> Result<(), QueueError>;
+    /// Put a dead letter back as a new ready item (cause `replay:ID`); returns the new id.
+    async fn replay(&self, id: Ulid) -> Result<Ulid, QueueError>;
+    /// Drop a dead letter, keeping a record ("discarded by hand").
+    async fn discard(&self, id: Ulid) -> Result<(), QueueError>;
+}

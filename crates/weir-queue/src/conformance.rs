@@ -1,0 +1,471 @@
+//! The conformance suite: every case is written once, against `Arc<dyn WorkQueue>`, and
+//! [`conformance_tests!`](crate::conformance_tests) expands all of them into tests for a
+//! backend, so adding a backend is one line and no backend can skip a case.
+//!
+//! ```ignore
+//! weir_queue::conformance_tests!(|fp| async move {
+//!     std::sync::Arc::new(weir_queue::MemoryQueue::with_limits(1000, fp))
+//!         as std::sync::Arc<dyn weir_queue::WorkQueue>
+//! });
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::{
+    now_ms, Committed, DoneKey, End, Failpoints, ItemState, ListFilter, Reply, StateKey,
+    StateWrite, WaveEffects, WorkItem, WorkQueue,
+};
+
+/// Expand every conformance case into a `#[tokio::test]` for the backend that `$make` builds
+/// (a closure from [`Failpoints`] to a future of `Arc<dyn WorkQueue>`).
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@cases $make;
+            add_claim_commit, claims_in_journal_order, reclaim_bumps_deliveries_and_fences_old_owner,
+            commit_is_all_or_nothing_on_version_conflict, guards_are_checked_in_commit,
+            failed_commit_leaves_nothing_and_item_is_redelivered, delayed_items_wait_until_due,
+            park_unpark_and_step, park_is_refused_when_flow_not_paused,
+            dead_letters_are_listed_replayed_and_discarded, done_markers_live_until_commit,
+            idempotency_key_returns_first_id, ticks_are_journaled_once, cancel_by_hand,
+            replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work
+        );
+    };
+    (@cases $make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $case() {
+                let fp = $crate::Failpoints::new();
+                let q = ($make)(fp.clone()).await;
+                $crate::conformance::$case(q, fp).await;
+            }
+        )*
+    };
+}
+
+type Q = Arc<dyn WorkQueue>;
+
+fn item(flow: &str, n: i64) -> WorkItem {
+    WorkItem::cascade(flow, "in", "test", vec![json!({ "payload": n })])
+}
+
+fn payload(i: &WorkItem) -> i64 {
+    i.outputs[0][0]["payload"].as_i64().unwrap()
+}
+
+pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
+    let it = item("f", 1);
+    let id = it.id;
+    q.add(vec![it]).await.unwrap();
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(c.len(), 1);
+    assert_eq!(c[0].item.id, id);
+    assert_eq!(c[0].item.deliveries, 1, "deliveries bumped at claim");
+    assert!(!c[0].stepped);
+    assert_eq!(
+        q.get(id).await.unwrap().unwrap().state.name(),
+        "in_flight"
+    );
+    assert_eq!(
+        q.commit(&c[0], WaveEffects::ending(End::Ack)).await.unwrap(),
+        Committed::Done
+    );
+    assert!(matches!(
+        q.get(id).await.unwrap().unwrap().state,
+        ItemState::Finished { .. }
+    ));
+    assert!(q.claim("a", 10, Duration::ZERO).await.unwrap().is_empty());
+    // A second commit of an ended item is refused.
+    assert_eq!(
+        q.commit(&c[0], WaveEffects::ending(End::Ack)).await.unwrap(),
+        Committed::Conflict
+    );
+}
+
+pub async fn claims_in_journal_order(q: Q, _fp: Failpoints) {
+    for n in 0..5 {
+        q.add(vec![item("f", n)]).await.unwrap();
+    }
+    q.add(vec![item("f", 5), item("f", 6)]).await.unwrap();
+    let mut seen = Vec::new();
+    loop {
+        let c = q.claim("a", 2, Duration::ZERO).await.unwrap();
+        if c.is_empty() {
+            break;
+        }
+        assert!(c.len() <= 2);
+        for x in c {
+            seen.push(payload(&x.item));
+        }
+    }
+    assert_eq!(seen, (0..7).collect::<Vec<_>>());
+}
+
+pub async fn reclaim_bumps_deliveries_and_fences_old_owner(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1)]).await.unwrap();
+    let a = q.claim("engine-a", 1, Duration::ZERO).await.unwrap().remove(0);
+    assert_eq!(q.reclaim_stale(Duration::from_secs(3600)).await.unwrap(), 0);
+    assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 1);
+    let b = q.claim("engine-b", 1, Duration::ZERO).await.unwrap().remove(0);
+    assert_eq!(b.item.id, a.item.id);
+    assert_eq!(b.item.deliveries, 2);
+    let fx = WaveEffects {
+        follow_ups: vec![item("f", 99)],
+        ..WaveEffects::ending(End::Ack)
+    };
+    assert_eq!(q.commit(&a, fx).await.unwrap(), Committed::Conflict);
+    assert!(
+        q.claim("x", 10, Duration::ZERO).await.unwrap().is_empty(),
+        "the refused commit left no follow-up"
+    );
+    assert_eq!(
+        q.commit(&b, WaveEffects::ending(End::Ack)).await.unwrap(),
+        Committed::Done
+    );
+}
+
+pub async fn commit_is_all_or_nothing_on_version_conflict(q: Q, _fp: Failpoints) {
+    let key = StateKey::new("f", "n", "k");
+    q.add(vec![item("f", 1)]).await.unwrap();
+    let c = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    let stale_write = StateWrite {
+        key: key.clone(),
+        value: Some(json!("x")),
+        read_version: 5,
+    };
+    let fx = WaveEffects {
+        follow_ups: vec![item("f", 2)],
+        state: vec![stale_write],
+        ..WaveEffects::ending(End::Ack)
+    };
+    assert_eq!(q.commit(&c, fx).await.unwrap(), Committed::Conflict);
+    assert_eq!(q.read(&key).await.unwrap().version, 0, "no state change");
+    assert_eq!(q.stats().await.unwrap().ready, 0, "no follow-up");
+    // The same wave with the version it really read commits, and the version moves.
+    let fx = WaveEffects {
+        follow_ups: vec![item("f", 2)],
+        state: vec![StateWrite {
+            key: key.clone(),
+            value: Some(json!("x")),
+            read_version: 0,
+        }],
+        ..WaveEffects::ending(End::Ack)
+    };
+    assert_eq!(q.commit(&c, fx).await.unwrap(), Committed::Done);
+    let v = q.read(&key).await.unwrap();
+    assert_eq!(v.value, Some(json!("x")));
+    assert_eq!(v.version, 1);
+    assert_eq!(q.stats().await.unwrap().ready, 1);
+    assert_eq!(q.read_node("f", "n").await.unwrap().len(), 1);
+}
+
+pub async fn guards_are_checked_in_commit(q: Q, _fp: Failpoints) {
+    let key = StateKey::new("f", "d", "timer");
+    q.add(vec![item("f", 1), item("f", 2)]).await.unwrap();
+    let c = q.claim("a", 2, Duration::ZERO).await.unwrap();
+    let set = WaveEffects {
+        state: vec![StateWrite {
+            key: key.clone(),
+            value: Some(json!("g2")),
+            read_version: 0,
+        }],
+        ..WaveEffects::ending(End::Ack)
+    };
+    assert_eq!(q.commit(&c[0], set).await.unwrap(), Committed::Done);
+    let fx = WaveEffects {
+        guards: vec![(key.clone(), json!("g1"))],
+        follow_ups: vec![item("f", 3)],
+        ..WaveEffects::ending(End::Ack)
+    };
+    assert_eq!(q.commit(&c[1], fx).await.unwrap(), Committed::Conflict);
+    let fx = WaveEffects {
+        guards: vec![(key, json!("g2"))],
+        ..WaveEffects::ending(End::Superseded)
+    };
+    assert_eq!(q.commit(&c[1], fx).await.unwrap(), Committed::Done);
+    assert_eq!(q.stats().await.unwrap().ready, 0);
+}
+
+pub async fn failed_commit_leaves_nothing_and_item_is_redelivered(q: Q, fp: Failpoints) {
+    let key = StateKey::new("f", "n", "k");
+    let it = item("f", 1);
+    let id = it.id;
+    q.add(vec![it]).await.unwrap();
+    let c = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    fp.arm("commit", 1);
+    let fx = WaveEffects {
+        follow_ups: vec![item("f", 2)],
+        delayed: vec![WorkItem {
+            not_before: Some(now_ms() + 60_000),
+            ..item("f", 3)
+        }],
+        state: vec![StateWrite {
+            key: key.clone(),
+            value: Some(json!(1)),
+            read_version: 0,
+        }],
+        ..WaveEffects::ending(End::Ack)
+    };
+    assert!(q.commit(&c, fx).await.is_err(), "the failpoint fails the commit");
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.ready, s.delayed), (0, 0), "no follow-up or delayed item");
+    assert_eq!(q.read(&key).await.unwrap(), Default::default(), "no state change");
+    q.reclaim_stale(Duration::ZERO).await.unwrap();
+    let again = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    assert_eq!(again.item.id, id);
+    assert_eq!(again.item.deliveries, 2);
+}
+
+pub async fn delayed_items_wait_until_due(q: Q, _fp: Failpoints) {
+    let due = now_ms() + 3_600_000;
+    let later = WorkItem {
+        not_before: Some(due),
+        ..item("f", 1)
+    };
+    q.add(vec![later, item("f", 2)]).await.unwrap();
+    assert_eq!(q.stats().await.unwrap().delayed, 1);
+    assert_eq!(q.next_due().await.unwrap(), Some(due));
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(q.move_due(now_ms()).await.unwrap(), 0);
+    assert_eq!(q.move_due(due).await.unwrap(), 1);
+    assert_eq!(q.move_due(due).await.unwrap(), 0, "promoted once");
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(q.next_due().await.unwrap(), None);
+}
+
+pub async fn park_unpark_and_step(q: Q, _fp: Failpoints) {
+    q.set_paused("f", true).await.unwrap();
+    assert!(q.is_paused("f").await.unwrap());
+    assert!(!q.is_paused("g").await.unwrap());
+    q.add((0..4).map(|n| item("f", n)).collect()).await.unwrap();
+    for c in q.claim("a", 10, Duration::ZERO).await.unwrap() {
+        assert_eq!(
+            q.commit(&c, WaveEffects::ending(End::Park)).await.unwrap(),
+            Committed::Done
+        );
+    }
+    assert_eq!(q.stats().await.unwrap().parked, 4);
+    let stepped = q.unpark_one("f").await.unwrap().unwrap();
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(c.len(), 1, "step releases exactly one");
+    assert_eq!(c[0].item.id, stepped);
+    assert_eq!(payload(&c[0].item), 0, "step releases the oldest");
+    assert!(c[0].stepped);
+    q.commit(&c[0], WaveEffects::ending(End::Ack)).await.unwrap();
+    q.set_paused("f", false).await.unwrap();
+    assert_eq!(q.unpark("f").await.unwrap(), 3);
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert!(c.iter().all(|c| !c.stepped));
+    assert_eq!(q.unpark_one("f").await.unwrap(), None);
+}
+
+pub async fn park_is_refused_when_flow_not_paused(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1)]).await.unwrap();
+    let c = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    assert_eq!(
+        q.commit(&c, WaveEffects::ending(End::Park)).await.unwrap(),
+        Committed::Conflict
+    );
+    assert_eq!(q.stats().await.unwrap().parked, 0);
+}
+
+pub async fn dead_letters_are_listed_replayed_and_discarded(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1), item("f", 2)]).await.unwrap();
+    let c = q.claim("a", 2, Duration::ZERO).await.unwrap();
+    let child = item("f", 3);
+    let child_id = child.id;
+    let fx = WaveEffects {
+        dead: vec![(child, "node `x` failed: boom".into())],
+        ..WaveEffects::ending(End::DeadLetter("bad input".into()))
+    };
+    q.commit(&c[0], fx).await.unwrap();
+    q.commit(&c[1], WaveEffects::ending(End::DeadLetter("second".into())))
+        .await
+        .unwrap();
+    let dead = q.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 3);
+    let reasons: Vec<String> = dead
+        .iter()
+        .map(|d| match &d.state {
+            ItemState::Dead { reason, .. } => reason.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert!(reasons.contains(&"bad input".to_string()));
+    assert!(reasons.contains(&"node `x` failed: boom".to_string()));
+    assert_eq!(q.stats().await.unwrap().dead, 3);
+    let new_id = q.replay(c[0].item.id).await.unwrap();
+    assert_ne!(new_id, c[0].item.id);
+    let again = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].item.id, new_id);
+    assert_eq!(again[0].item.cause, format!("replay:{}", c[0].item.id));
+    assert_eq!(again[0].item.deliveries, 1);
+    q.discard(child_id).await.unwrap();
+    assert!(matches!(
+        q.get(child_id).await.unwrap().unwrap().state,
+        ItemState::Finished { ref outcome, .. } if outcome == "discarded by hand"
+    ));
+    assert_eq!(q.stats().await.unwrap().dead, 1);
+    assert!(q.discard(new_id).await.is_err(), "only dead letters are discarded");
+    assert!(q.replay(ulid::Ulid::new()).await.is_err());
+}
+
+pub async fn done_markers_live_until_commit(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1)]).await.unwrap();
+    let c = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    let key = DoneKey {
+        item: c.item.id,
+        node: "send".into(),
+        position: 2,
+    };
+    assert_eq!(q.was_done(&key).await.unwrap(), None);
+    q.mark_done(key.clone(), vec![vec![json!({"payload": "sent"})]])
+        .await
+        .unwrap();
+    assert_eq!(
+        q.was_done(&key).await.unwrap(),
+        Some(vec![vec![json!({"payload": "sent"})]])
+    );
+    let other = DoneKey {
+        position: 3,
+        ..key.clone()
+    };
+    assert_eq!(q.was_done(&other).await.unwrap(), None);
+    q.commit(&c, WaveEffects::ending(End::Ack)).await.unwrap();
+    assert_eq!(q.was_done(&key).await.unwrap(), None);
+}
+
+pub async fn idempotency_key_returns_first_id(q: Q, _fp: Failpoints) {
+    let first = item("f", 1);
+    let (id, new) = q.add_idempotent("order-7", first.clone()).await.unwrap();
+    assert!(new);
+    assert_eq!(id, first.id);
+    let (id2, new2) = q.add_idempotent("order-7", item("f", 2)).await.unwrap();
+    assert!(!new2);
+    assert_eq!(id2, first.id);
+    assert_eq!(q.stats().await.unwrap().ready, 1);
+}
+
+pub async fn ticks_are_journaled_once(q: Q, _fp: Failpoints) {
+    let key = StateKey::new("f", "cron", "last_tick");
+    assert!(q.add_tick(&key, 1000, item("f", 1)).await.unwrap());
+    assert!(!q.add_tick(&key, 1000, item("f", 2)).await.unwrap());
+    assert!(!q.add_tick(&key, 999, item("f", 3)).await.unwrap());
+    assert!(q.add_tick(&key, 2000, item("f", 4)).await.unwrap());
+    assert_eq!(q.stats().await.unwrap().ready, 2);
+    assert_eq!(q.read(&key).await.unwrap().value, Some(json!(2000)));
+}
+
+pub async fn cancel_by_hand(q: Q, _fp: Failpoints) {
+    let a = item("f", 1);
+    let b = WorkItem {
+        not_before: Some(now_ms() + 60_000),
+        ..item("f", 2)
+    };
+    let c = item("f", 3);
+    let (ia, ib, ic) = (a.id, b.id, c.id);
+    q.add(vec![a, b]).await.unwrap();
+    q.cancel(ia).await.unwrap();
+    q.cancel(ib).await.unwrap();
+    assert!(matches!(
+        q.get(ia).await.unwrap().unwrap().state,
+        ItemState::Finished { ref outcome, .. } if outcome == "cancelled by hand"
+    ));
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.ready, s.delayed), (0, 0));
+    q.add(vec![c]).await.unwrap();
+    let claimed = q.claim("a", 1, Duration::ZERO).await.unwrap();
+    assert_eq!(claimed[0].item.id, ic);
+    assert!(q.cancel(ic).await.is_err(), "in-flight items end with their wave");
+    assert!(q.cancel(ulid::Ulid::new()).await.is_err());
+}
+
+pub async fn replies_travel_through_the_queue(q: Q, _fp: Failpoints) {
+    let id = ulid::Ulid::new();
+    let waiter = {
+        let q = q.clone();
+        tokio::spawn(async move { q.wait_reply(id, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let reply = Reply {
+        status: 201,
+        headers: vec![("x-a".into(), "b".into())],
+        body: json!({"ok": true}),
+    };
+    q.post_reply(id, reply.clone()).await.unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), Some(reply));
+    assert_eq!(
+        q.wait_reply(ulid::Ulid::new(), Duration::from_millis(20))
+            .await
+            .unwrap(),
+        None
+    );
+}
+
+pub async fn stats_count_every_state(q: Q, _fp: Failpoints) {
+    q.set_paused("p", true).await.unwrap();
+    q.add(vec![
+        item("f", 1),
+        item("f", 2),
+        item("p", 3),
+        WorkItem {
+            not_before: Some(now_ms() + 60_000),
+            ..item("f", 4)
+        },
+    ])
+    .await
+    .unwrap();
+    let c = q.claim("a", 2, Duration::ZERO).await.unwrap();
+    q.commit(&c[1], WaveEffects::ending(End::DeadLetter("x".into())))
+        .await
+        .unwrap();
+    let p = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    q.commit(&p, WaveEffects::ending(End::Park)).await.unwrap();
+    let s = q.stats().await.unwrap();
+    assert_eq!(
+        (s.ready, s.in_flight, s.delayed, s.parked, s.dead),
+        (0, 1, 1, 1, 1)
+    );
+    assert!(s.oldest_pending_age_ms.is_some());
+    assert_eq!(s.durable, q.durable());
+    let listed = q
+        .list(ListFilter {
+            state: Some("delayed".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(payload(&listed[0].item), 4);
+    let parked = q
+        .list(ListFilter {
+            flow: Some("p".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].state, ItemState::Parked);
+}
+
+pub async fn claim_waits_for_work(q: Q, _fp: Failpoints) {
+    let adder = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            q.add(vec![item("f", 1)]).await.unwrap();
+        })
+    };
+    let c = q.claim("a", 1, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(c.len(), 1);
+    adder.await.unwrap();
+    let empty = q.claim("a", 1, Duration::from_millis(30)).await.unwrap();
+    assert!(empty.is_empty());
+}

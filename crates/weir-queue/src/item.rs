@@ -1,0 +1,118 @@
+//! The work item: one unit of journaled work.
+
+use serde::{Deserialize, Serialize};
+use ulid::Ulid;
+
+/// A message travelling along wires: a JSON object, `{"payload": ..., "topic": ...}`.
+pub type Message = serde_json::Value;
+
+/// The format version written into every item, so an upgraded engine reads older journals.
+pub const ITEM_VERSION: u32 = 1;
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ItemKind {
+    /// Run what is downstream of `node`'s outputs (or, with `attempt > 0`, run `node` itself
+    /// again with the input it failed on).
+    Cascade,
+    /// Release what a node's rate limit held back.
+    Flush,
+    /// A whole batch run that carries only its run id.
+    Run,
+}
+
+/// One unit of journaled work (DESIGN §2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkItem {
+    pub version: u32,
+    /// Minted when the item is made, never reused: the 202 answer, cancel, done markers and
+    /// `respond: wave` all use it.
+    pub id: Ulid,
+    pub kind: ItemKind,
+    pub flow: String,
+    pub node: String,
+    /// What `node` emitted, per output port. For a retry at a node (`attempt > 0`), the input
+    /// it is to run with, as `[[msg]]`.
+    pub outputs: Vec<Vec<Message>>,
+    /// Where it came from: `webhook:PATH`, `cron:NODE`, `delay:NODE`, `retry:NODE`, `replay:ID`…
+    pub cause: String,
+    /// Not to run before this time (ms since the epoch); `None` = ready now.
+    pub not_before: Option<i64>,
+    /// A key in `node`'s memory that must still hold `guard_value` when the item runs.
+    pub guard_key: Option<String>,
+    pub guard_value: Option<serde_json::Value>,
+    /// Bumped durably at each claim.
+    pub deliveries: u32,
+    /// Which try of a per-node retry (0 = not a retry).
+    pub attempt: u32,
+    /// The item this one descends from (retries, delays): the wave's reply goes to it.
+    pub origin_id: Option<Ulid>,
+    pub enqueued_at: i64,
+    pub first_enqueued_at: i64,
+    pub run_id: Option<String>,
+}
+
+impl WorkItem {
+    /// A cascade item: the given messages leave `node` on output port 0.
+    pub fn cascade(flow: &str, node: &str, cause: impl Into<String>, msgs: Vec<Message>) -> Self {
+        let now = now_ms();
+        WorkItem {
+            version: ITEM_VERSION,
+            id: Ulid::new(),
+            kind: ItemKind::Cascade,
+            flow: flow.to_string(),
+            node: node.to_string(),
+            outputs: vec![msgs],
+            cause: cause.into(),
+            not_before: None,
+            guard_key: None,
+            guard_value: None,
+            deliveries: 0,
+            attempt: 0,
+            origin_id: None,
+            enqueued_at: now,
+            first_enqueued_at: now,
+            run_id: None,
+        }
+    }
+
+    /// A follow-up made by the wave of `self`: inherits the origin and the run.
+    pub fn follow_up(&self, node: &str, cause: impl Into<String>, outputs: Vec<Vec<Message>>) -> Self {
+        let now = now_ms();
+        WorkItem {
+            version: ITEM_VERSION,
+            id: Ulid::new(),
+            kind: ItemKind::Cascade,
+            flow: self.flow.clone(),
+            node: node.to_string(),
+            outputs,
+            cause: cause.into(),
+            not_before: None,
+            guard_key: None,
+            guard_value: None,
+            deliveries: 0,
+            attempt: 0,
+            origin_id: Some(self.root_id()),
+            enqueued_at: now,
+            first_enqueued_at: now,
+            run_id: self.run_id.clone(),
+        }
+    }
+
+    /// The item whose event started this chain (itself unless it is a follow-up).
+    pub fn root_id(&self) -> Ulid {
+        self.origin_id.unwrap_or(self.id)
+    }
+
+    pub fn is_due(&self, now: i64) -> bool {
+        self.not_before.is_none_or(|t| t <= now)
+    }
+}
