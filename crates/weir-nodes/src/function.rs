@@ -1,0 +1,133 @@
+//! `function`: a Rhai script gets `msg` and returns a message, an array of messages (fan-out)
+//! or `()` (drop). `state.get(k)` / `state.set(k, v)` reach the node's durable memory.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use rhai::{Dynamic, Engine, Scope, AST};
+use serde::Deserialize;
+use serde_json::Value;
+use weir_flow::{Spanned, Yaml};
+use weir_queue::Message;
+
+use crate::script::{self, from_dynamic, run_error, to_dynamic};
+use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Config {
+    /// The Rhai script.
+    script: Spanned<String>,
+    #[serde(default)]
+    to: Wires,
+}
+
+/// The script's view of node memory, diffed after the run into state writes.
+#[derive(Clone, Default)]
+struct ScriptState(Arc<Mutex<(BTreeMap<String, Value>, BTreeMap<String, Option<Value>>)>>);
+
+pub struct Factory;
+
+impl NodeFactory for Factory {
+    fn kind(&self) -> &str {
+        "function"
+    }
+
+    fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
+        let c: Config = config(y)?;
+        let mut engine = script::engine();
+        engine
+            .register_type_with_name::<ScriptState>("State")
+            .register_fn("get", |s: &mut ScriptState, k: &str| -> Dynamic {
+                let g = s.0.lock().unwrap_or_else(|p| p.into_inner());
+                match g.1.get(k) {
+                    Some(Some(v)) => to_dynamic(v),
+                    Some(None) => Dynamic::UNIT,
+                    None => g.0.get(k).map(to_dynamic).unwrap_or(Dynamic::UNIT),
+                }
+            })
+            .register_fn("set", |s: &mut ScriptState, k: &str, v: Dynamic| {
+                let v = rhai::serde::from_dynamic::<Value>(&v).ok().filter(|v| !v.is_null());
+                s.0.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .1
+                    .insert(k.to_string(), v);
+            });
+        let style = y
+            .get("script")
+            .map(|(_, v)| match v.kind {
+                weir_flow::YamlKind::Str(_, s) => s,
+                _ => weir_flow::Style::Plain,
+            })
+            .unwrap_or(weir_flow::Style::Plain);
+        let ast = script::compile(&engine, &c.script, c.script.pos, style, false)
+            .map_err(|e| vec![e])?;
+        let uses_state = c.script.contains("state.");
+        Ok(Built {
+            node: Arc::new(Function {
+                engine,
+                ast,
+                uses_state,
+            }),
+            ports: vec![c.to.0],
+        })
+    }
+}
+
+struct Function {
+    engine: Engine,
+    ast: AST,
+    uses_state: bool,
+}
+
+#[async_trait::async_trait]
+impl Node for Function {
+    fn stateful(&self) -> bool {
+        self.uses_state
+    }
+
+    async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        let state = ScriptState::default();
+        if self.uses_state {
+            state.0.lock().unwrap_or_else(|p| p.into_inner()).0 = cx.get_all().await?;
+        }
+        let mut scope = Scope::new();
+        scope.push("msg", to_dynamic(&msg));
+        scope.push("state", state.clone());
+        let out = self
+            .engine
+            .eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
+            .map_err(run_error)?;
+        if self.uses_state {
+            let writes = std::mem::take(&mut state.0.lock().unwrap_or_else(|p| p.into_inner()).1);
+            for (k, v) in writes {
+                cx.set(&k, v).await?;
+            }
+        }
+        if out.is_unit() {
+            return Ok(Emit::none());
+        }
+        match from_dynamic(&out)? {
+            Value::Array(items) => {
+                for m in &items {
+                    check_message(m)?;
+                }
+                Ok(Emit::many(items))
+            }
+            m => {
+                check_message(&m)?;
+                Ok(Emit::one(m))
+            }
+        }
+    }
+}
+
+fn check_message(m: &Value) -> Result<(), NodeError> {
+    if m.is_object() {
+        Ok(())
+    } else {
+        Err(NodeError::Permanent(format!(
+            "a script returns a message (a map such as #{{payload: 1}}), an array of them or (); it returned {m}"
+        )))
+    }
+}

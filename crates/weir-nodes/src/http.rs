@@ -1,0 +1,198 @@
+//! `http-request` (a side effect: status classifies failures) and `http-response` (the answer
+//! to a `respond: wave` webhook).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use rhai::Engine;
+use serde::Deserialize;
+use serde_json::Value;
+use weir_flow::{Spanned, Yaml};
+use weir_queue::{Message, Reply};
+
+use crate::duration::Dur;
+use crate::script::{self, Template};
+use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
+
+fn client() -> &'static reqwest::Client {
+    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .unwrap_or_default()
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestConfig {
+    /// The URL; `{{ expr }}` parts are evaluated per message.
+    url: Spanned<String>,
+    #[serde(default = "post")]
+    method: Spanned<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    timeout: Option<Dur>,
+    #[serde(default)]
+    to: Wires,
+}
+
+fn post() -> Spanned<String> {
+    Spanned {
+        pos: Default::default(),
+        value: "POST".into(),
+    }
+}
+
+pub struct RequestFactory;
+
+impl NodeFactory for RequestFactory {
+    fn kind(&self) -> &str {
+        "http-request"
+    }
+
+    fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
+        let c: RequestConfig = config(y)?;
+        let engine = script::engine();
+        let mut errors = Vec::new();
+        let url = Template::compile(&engine, &c.url, c.url.pos).map_err(|e| errors.push(e)).ok();
+        if let Some(u) = &url {
+            if u.is_literal() && reqwest::Url::parse(&c.url).is_err() {
+                errors.push(ConfigError::at(c.url.pos, format!("`{}` is not a URL", c.url.value)));
+            }
+        }
+        let method = reqwest::Method::from_bytes(c.method.to_uppercase().as_bytes())
+            .map_err(|_| errors.push(ConfigError::at(c.method.pos, format!("`{}` is not an HTTP method", c.method.value))))
+            .ok();
+        let timeout = match &c.timeout {
+            Some(d) => d.get().map_err(|e| errors.push(e)).ok(),
+            None => Some(Duration::from_secs(30)),
+        };
+        match (url, method, timeout) {
+            (Some(url), Some(method), Some(timeout)) if errors.is_empty() => Ok(Built {
+                node: Arc::new(Request {
+                    engine,
+                    url,
+                    method,
+                    headers: c.headers,
+                    timeout,
+                }),
+                ports: vec![c.to.0],
+            }),
+            _ => Err(errors),
+        }
+    }
+}
+
+struct Request {
+    engine: Engine,
+    url: Template,
+    method: reqwest::Method,
+    headers: BTreeMap<String, String>,
+    timeout: Duration,
+}
+
+#[async_trait::async_trait]
+impl Node for Request {
+    fn side_effect(&self) -> bool {
+        true
+    }
+
+    async fn call(&self, mut msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        let url = self.url.render(&self.engine, &msg)?;
+        let mut req = client()
+            .request(self.method.clone(), &url)
+            .timeout(self.timeout)
+            .header("x-weir-item", cx.item.root_id().to_string());
+        for (k, v) in &self.headers {
+            req = req.header(k, v);
+        }
+        if self.method != reqwest::Method::GET {
+            req = req.json(msg.get("payload").unwrap_or(&Value::Null));
+        }
+        let resp = req.send().await.map_err(|e| {
+            NodeError::transient(format!("{} {url}: {e}", self.method))
+        })?;
+        let status = resp.status();
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let bytes = resp.bytes().await.map_err(|e| NodeError::transient(format!("{url}: reading the answer: {e}")))?;
+        let body = serde_json::from_slice::<Value>(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        if status.is_server_error() || status == reqwest::StatusCode::TOO_MANY_REQUESTS || status == reqwest::StatusCode::REQUEST_TIMEOUT {
+            return Err(NodeError::Transient {
+                reason: format!("{} {url} answered {status}", self.method),
+                retry_after,
+            });
+        }
+        if status.is_client_error() {
+            return Err(NodeError::Permanent(format!("{} {url} answered {status}: {body}", self.method)));
+        }
+        if let Some(o) = msg.as_object_mut() {
+            o.insert("payload".into(), body);
+            o.insert("status".into(), status.as_u16().into());
+        }
+        Ok(Emit::one(msg))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResponseConfig {
+    #[serde(default = "ok")]
+    status: u16,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    #[serde(default)]
+    to: Wires,
+}
+
+fn ok() -> u16 {
+    200
+}
+
+pub struct ResponseFactory;
+
+impl NodeFactory for ResponseFactory {
+    fn kind(&self) -> &str {
+        "http-response"
+    }
+
+    fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
+        let c: ResponseConfig = config(y)?;
+        if !(100..=599).contains(&c.status) {
+            let pos = y.get("status").map(|(_, v)| v.pos).unwrap_or(y.pos);
+            return Err(vec![ConfigError::at(pos, "`status` is an HTTP status, 100 to 599")]);
+        }
+        Ok(Built {
+            node: Arc::new(Response {
+                status: c.status,
+                headers: c.headers.into_iter().collect(),
+            }),
+            ports: vec![c.to.0],
+        })
+    }
+}
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+}
+
+#[async_trait::async_trait]
+impl Node for Response {
+    async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        cx.reply(Reply {
+            status: self.status,
+            headers: self.headers.clone(),
+            body: msg.get("payload").cloned().unwrap_or(Value::Null),
+        });
+        Ok(Emit::one(msg))
+    }
+}

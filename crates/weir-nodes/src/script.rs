@@ -1,0 +1,242 @@
+//! Rhai for scripts, conditions and `{{ expr }}` templates: compiled once at load, run with
+//! limits so a runaway script fails its one message, never the engine.
+
+use rhai::{Dynamic, Engine, Scope, AST};
+use serde_json::Value;
+use weir_flow::{Pos, Style};
+
+use crate::{ConfigError, NodeError};
+
+/// Operations a script may run for one message before it is stopped.
+pub const MAX_OPERATIONS: u64 = 1_000_000;
+
+/// An engine with weir's limits.
+pub fn engine() -> Engine {
+    let mut e = Engine::new();
+    e.set_max_operations(MAX_OPERATIONS);
+    e.set_max_call_levels(64);
+    e.set_max_expr_depths(128, 64);
+    e.set_max_string_size(4 << 20);
+    e.set_max_array_size(100_000);
+    e.set_max_map_size(100_000);
+    e
+}
+
+/// Where a script's own line:column lands in the flow file.
+pub fn file_pos(at: Pos, style: Style, err: &rhai::ParseError) -> Pos {
+    let p = err.position();
+    let line = p.line().unwrap_or(1);
+    let col = p.position().unwrap_or(1);
+    match style {
+        // A block scalar's text starts on the line after `|`, indented under its key.
+        Style::Block => Pos {
+            line: at.line + line,
+            col: col + 1,
+        },
+        Style::Quoted if line == 1 => Pos {
+            line: at.line,
+            col: at.col + col,
+        },
+        _ if line == 1 => Pos {
+            line: at.line,
+            col: at.col + col - 1,
+        },
+        _ => Pos {
+            line: at.line + line - 1,
+            col,
+        },
+    }
+}
+
+pub fn compile(
+    engine: &Engine,
+    src: &str,
+    at: Pos,
+    style: Style,
+    expression: bool,
+) -> Result<AST, ConfigError> {
+    let r = if expression {
+        engine.compile_expression(src)
+    } else {
+        engine.compile(src)
+    };
+    r.map_err(|e| {
+        let what = if expression { "condition" } else { "script" };
+        ConfigError::at(file_pos(at, style, &e), format!("{what} does not compile: {}", e.0))
+    })
+}
+
+pub fn to_dynamic(v: &Value) -> Dynamic {
+    rhai::serde::to_dynamic(v).unwrap_or(Dynamic::UNIT)
+}
+
+pub fn from_dynamic(d: &Dynamic) -> Result<Value, NodeError> {
+    rhai::serde::from_dynamic::<Value>(d)
+        .map_err(|e| NodeError::Permanent(format!("script returned a value that is not JSON: {e}")))
+}
+
+/// Turn a script failure into the node error it means for the message.
+pub fn run_error(e: Box<rhai::EvalAltResult>) -> NodeError {
+    use rhai::EvalAltResult as E;
+    match *e {
+        E::ErrorRuntime(v, pos) => {
+            let m = if v.is_string() {
+                v.into_string().unwrap_or_default()
+            } else {
+                v.to_string()
+            };
+            NodeError::Permanent(format!("script threw at {pos}: {m}"))
+        }
+        E::ErrorTooManyOperations(pos) => NodeError::Permanent(format!(
+            "script stopped at {pos}: more than {MAX_OPERATIONS} operations (a runaway loop?)"
+        )),
+        other => NodeError::Permanent(format!("script failed: {other}")),
+    }
+}
+
+/// Evaluate a compiled expression with `msg` in scope.
+pub fn eval(engine: &Engine, ast: &AST, msg: &Value) -> Result<Dynamic, NodeError> {
+    let mut scope = Scope::new();
+    scope.push("msg", to_dynamic(msg));
+    engine
+        .eval_ast_with_scope::<Dynamic>(&mut scope, ast)
+        .map_err(run_error)
+}
+
+/// A string with `{{ expr }}` parts.
+#[derive(Clone)]
+pub struct Template {
+    parts: Vec<Part>,
+}
+
+#[derive(Clone)]
+enum Part {
+    Lit(String),
+    Expr(AST),
+}
+
+impl Template {
+    pub fn compile(engine: &Engine, src: &str, at: Pos) -> Result<Template, ConfigError> {
+        let mut parts = Vec::new();
+        let mut rest = src;
+        let mut offset = 0;
+        while let Some(start) = rest.find("{{") {
+            if start > 0 {
+                parts.push(Part::Lit(rest[..start].to_string()));
+            }
+            let Some(len) = rest[start..].find("}}") else {
+                return Err(ConfigError::at(at, "`{{` without a closing `}}`"));
+            };
+            let expr = &rest[start + 2..start + len];
+            let ast = engine.compile_expression(expr.trim()).map_err(|e| {
+                ConfigError::at(
+                    Pos {
+                        line: at.line,
+                        col: at.col + offset + start + 2,
+                    },
+                    format!("`{{{{ {} }}}}` does not compile: {}", expr.trim(), e.0),
+                )
+            })?;
+            parts.push(Part::Expr(ast));
+            offset += start + len + 2;
+            rest = &rest[start + len + 2..];
+        }
+        if !rest.is_empty() {
+            parts.push(Part::Lit(rest.to_string()));
+        }
+        Ok(Template { parts })
+    }
+
+    pub fn is_literal(&self) -> bool {
+        self.parts.iter().all(|p| matches!(p, Part::Lit(_)))
+    }
+
+    pub fn render(&self, engine: &Engine, msg: &Value) -> Result<String, NodeError> {
+        let mut out = String::new();
+        for p in &self.parts {
+            match p {
+                Part::Lit(s) => out.push_str(s),
+                Part::Expr(ast) => {
+                    let d = eval(engine, ast, msg)?;
+                    if d.is_string() {
+                        out.push_str(&d.into_string().unwrap_or_default());
+                    } else {
+                        match from_dynamic(&d)? {
+                            Value::Null => {}
+                            v => out.push_str(&v.to_string()),
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `payload.size` → the value at that dotted path of a message.
+pub fn get_path<'a>(msg: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(msg, |v, k| v.get(k))
+}
+
+/// Set a dotted path, making objects on the way.
+pub fn set_path(msg: &mut Value, path: &str, value: Value) {
+    let mut cur = msg;
+    let mut keys = path.split('.').peekable();
+    while let Some(k) = keys.next() {
+        if !cur.is_object() {
+            *cur = Value::Object(Default::default());
+        }
+        let obj = cur.as_object_mut().expect("made an object above");
+        if keys.peek().is_none() {
+            obj.insert(k.to_string(), value);
+            return;
+        }
+        cur = obj.entry(k.to_string()).or_insert(Value::Null);
+    }
+}
+
+pub fn delete_path(msg: &mut Value, path: &str) {
+    let (parent, last) = match path.rsplit_once('.') {
+        Some((p, l)) => (p, l),
+        None => ("", path),
+    };
+    let target = if parent.is_empty() {
+        Some(msg)
+    } else {
+        parent.split('.').try_fold(msg, |v, k| v.get_mut(k))
+    };
+    if let Some(Value::Object(o)) = target {
+        o.remove(last);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn templates_render_expressions() {
+        let e = engine();
+        let t = Template::compile(&e, "alerts/{{ msg.payload.room }}/{{ 1 + 1 }}", Pos::default()).unwrap();
+        let out = t.render(&e, &json!({"payload": {"room": "kitchen"}})).unwrap();
+        assert_eq!(out, "alerts/kitchen/2");
+    }
+
+    #[test]
+    fn paths() {
+        let mut m = json!({"payload": {"a": 1, "secret": 2}});
+        set_path(&mut m, "payload.b.c", json!(3));
+        delete_path(&mut m, "payload.secret");
+        assert_eq!(m, json!({"payload": {"a": 1, "b": {"c": 3}}}));
+        assert_eq!(get_path(&m, "payload.b.c"), Some(&json!(3)));
+    }
+
+    #[test]
+    fn runaway_script_is_stopped() {
+        let e = engine();
+        let ast = e.compile("loop { }").unwrap();
+        let err = eval(&e, &ast, &json!({})).unwrap_err();
+        assert!(matches!(err, NodeError::Permanent(ref m) if m.contains("operations")), "{err:?}");
+    }
+}
