@@ -1,1 +1,272 @@
+//! The executor: claims work items, runs each item's wave through its flow's graph until
+//! quiescence, and ends the item with one atomic commit of everything the wave did.
+//!
+//! Order and concurrency: items are claimed in journal order and handed to their flow's
+//! dispatcher, which starts waves in that order, at most `concurrency` at a time. Waves that
+//! may call a stateful node (delay, a function with state) queue for it in journal order and
+//! hold it until their commit returns, so a node's memory sees its messages in order; the
+//! version check in the commit catches conflicts with other engines, and the wave runs again.
 
+mod wave;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use weir_nodes::LoadedFlow;
+use weir_queue::{now_ms, Claimed, Failpoints, WorkQueue};
+
+/// Executor settings.
+#[derive(Debug, Clone)]
+pub struct ExecConfig {
+    /// This engine's name as a consumer of the queue.
+    pub consumer: String,
+    /// Deliveries after which an item that never finishes is dead-lettered; also the number
+    /// of tries of an unclassified node failure.
+    pub max_deliveries: u32,
+    /// Node calls one wave may make; past it the wave (a loop in the graph) is dead-lettered.
+    pub step_bound: usize,
+    pub node_timeout: Duration,
+    pub wave_deadline: Duration,
+    /// In-flight items idle this long are taken back (their engine died or stalled).
+    pub reclaim_after: Duration,
+    pub claim_batch: usize,
+    /// Items claimed and not yet committed, across all flows.
+    pub max_in_flight: usize,
+    /// Transient failures retry until the item is this old.
+    pub max_age: Duration,
+    pub retry_base: Duration,
+    pub retry_cap: Duration,
+    /// How long shutdown waits for waves in flight.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ExecConfig {
+    fn default() -> Self {
+        ExecConfig {
+            consumer: format!("weir-{}", ulid::Ulid::new()),
+            max_deliveries: 5,
+            step_bound: 1000,
+            node_timeout: Duration::from_secs(30),
+            wave_deadline: Duration::from_secs(60),
+            reclaim_after: Duration::from_secs(120),
+            claim_batch: 64,
+            max_in_flight: 512,
+            max_age: Duration::from_secs(24 * 3600),
+            retry_base: Duration::from_secs(1),
+            retry_cap: Duration::from_secs(300),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A loaded flow with what the executor keeps for it.
+pub struct FlowRt {
+    pub flow: LoadedFlow,
+    permits: Arc<Semaphore>,
+    /// Per node: the receiver the next wave through that (stateful) node must wait on.
+    tails: Vec<Mutex<Option<oneshot::Receiver<()>>>>,
+}
+
+impl FlowRt {
+    pub fn new(flow: LoadedFlow) -> Self {
+        let n = flow.nodes.len();
+        FlowRt {
+            permits: Arc::new(Semaphore::new(flow.concurrency)),
+            tails: (0..n).map(|_| Mutex::new(None)).collect(),
+            flow,
+        }
+    }
+
+    /// Take a place in line at each of `nodes`, now (journal order). Returns what to wait for
+    /// before running and what to drop once committed.
+    fn queue_for(&self, nodes: &[usize]) -> (Vec<oneshot::Receiver<()>>, Vec<oneshot::Sender<()>>) {
+        let mut wait = Vec::new();
+        let mut hold = Vec::new();
+        for &n in nodes {
+            let (tx, rx) = oneshot::channel();
+            let prev = self.tails[n]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .replace(rx);
+            if let Some(p) = prev {
+                wait.push(p);
+            }
+            hold.push(tx);
+        }
+        (wait, hold)
+    }
+}
+
+/// The flows an engine runs, by id.
+#[derive(Default)]
+pub struct Flows(RwLock<HashMap<String, Arc<FlowRt>>>);
+
+impl Flows {
+    pub fn new(flows: Vec<LoadedFlow>) -> Self {
+        Flows(RwLock::new(
+            flows
+                .into_iter()
+                .map(|f| (f.id.clone(), Arc::new(FlowRt::new(f))))
+                .collect(),
+        ))
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<FlowRt>> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<FlowRt>> {
+        let mut v: Vec<_> = self.0.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        v.sort_by(|a, b| a.flow.id.cmp(&b.flow.id));
+        v
+    }
+}
+
+pub struct Executor {
+    pub queue: Arc<dyn WorkQueue>,
+    pub flows: Arc<Flows>,
+    pub cfg: ExecConfig,
+    pub failpoints: Failpoints,
+}
+
+/// A claimed item on its way to its flow's dispatcher, with its share of the in-flight bound.
+struct Job {
+    claimed: Claimed,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Executor {
+    pub fn new(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>, cfg: ExecConfig, failpoints: Failpoints) -> Arc<Self> {
+        Arc::new(Executor {
+            queue,
+            flows,
+            cfg,
+            failpoints,
+        })
+    }
+
+    /// Run until `shutdown` fires: stop claiming, finish the waves in flight (up to the
+    /// grace period), return. What is left is redelivered on the next start.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        let tracker = TaskTracker::new();
+        let in_flight = Arc::new(Semaphore::new(self.cfg.max_in_flight));
+        let mut dispatchers: HashMap<String, mpsc::UnboundedSender<Job>> = HashMap::new();
+        let mut failures: u32 = 0;
+        let mut last_reclaim = tokio::time::Instant::now();
+        // Items a previous run of this engine left in flight are taken back at once when the
+        // backend says they cannot belong to anyone alive (single-owner backends), else after
+        // `reclaim_after` like any other engine's.
+        loop {
+            if shutdown.is_cancelled() {
+                break;
+            }
+            let step = async {
+                self.queue.move_due(now_ms()).await?;
+                if last_reclaim.elapsed() >= self.cfg.reclaim_after.min(Duration::from_secs(10)).max(Duration::from_millis(200)) {
+                    last_reclaim = tokio::time::Instant::now();
+                    let n = self.queue.reclaim_stale(self.cfg.reclaim_after).await?;
+                    if n > 0 {
+                        tracing::warn!(count = n, "took back items idle in flight (a stalled or dead engine)");
+                    }
+                }
+                let free = in_flight.available_permits().min(self.cfg.claim_batch);
+                if free == 0 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    return Ok(Vec::new());
+                }
+                let wait = match self.queue.next_due().await? {
+                    Some(t) => Duration::from_millis((t - now_ms()).clamp(1, 100) as u64),
+                    None => Duration::from_millis(100),
+                };
+                self.queue.claim(&self.cfg.consumer, free, wait).await
+            };
+            let claimed = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                r = step => r,
+            };
+            match claimed {
+                Ok(items) => {
+                    if failures > 0 {
+                        tracing::info!(failures, "queue backend is back");
+                        failures = 0;
+                    }
+                    for c in items {
+                        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                            tracing::error!("in-flight bound exceeded; item left for redelivery");
+                            continue;
+                        };
+                        let tx = dispatchers.entry(c.item.flow.clone()).or_insert_with(|| {
+                            let (tx, rx) = mpsc::unbounded_channel();
+                            let me = self.clone();
+                            let tr = tracker.clone();
+                            tracker.spawn(async move { me.dispatch(rx, tr).await });
+                            tx
+                        });
+                        let _ = tx.send(Job { claimed: c, _permit: permit });
+                    }
+                }
+                Err(e) => {
+                    failures += 1;
+                    // Log the first failure of a run and then every 50th, not every try.
+                    if failures == 1 || failures % 50 == 0 {
+                        tracing::error!(error = %e, failures, "queue backend failing; backing off");
+                    }
+                    let backoff = Duration::from_millis(50u64.saturating_mul(1 << failures.min(7))).min(Duration::from_secs(5));
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                }
+            }
+        }
+        drop(dispatchers);
+        tracker.close();
+        if tokio::time::timeout(self.cfg.shutdown_grace, tracker.wait()).await.is_err() {
+            tracing::warn!("waves still running at the end of the shutdown grace period; they will be redelivered");
+        }
+    }
+
+    /// One flow's dispatcher: starts its waves in journal order, `concurrency` at a time.
+    async fn dispatch(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Job>, tracker: TaskTracker) {
+        while let Some(job) = rx.recv().await {
+            let flow = self.flows.get(&job.claimed.item.flow);
+            let (permit, wait, hold) = match &flow {
+                Some(f) => {
+                    let Ok(permit) = f.permits.clone().acquire_owned().await else {
+                        continue;
+                    };
+                    let serial = f
+                        .flow
+                        .node_index(&job.claimed.item.node)
+                        .map(|n| f.flow.stateful_from(n).to_vec())
+                        .unwrap_or_default();
+                    let (wait, hold) = f.queue_for(&serial);
+                    (Some(permit), wait, hold)
+                }
+                None => (None, Vec::new(), Vec::new()),
+            };
+            let me = self.clone();
+            tracker.spawn(async move {
+                for w in wait {
+                    let _ = w.await;
+                }
+                me.process(flow, job.claimed).await;
+                drop(hold);
+                drop(permit);
+                drop(job._permit);
+            });
+        }
+    }
+}
+
+/// Backoff for try `attempt` (1-based): base·2^(attempt-1), capped, with ±20% jitter.
+pub fn backoff(cfg: &ExecConfig, attempt: u32) -> Duration {
+    let exp = cfg.retry_base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
+    let d = exp.min(cfg.retry_cap);
+    let jitter: f64 = rand::random_range(0.8..1.2);
+    d.mul_f64(jitter)
+}

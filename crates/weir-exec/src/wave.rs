@@ -1,0 +1,296 @@
+//! One item's wave: deliver its outputs along the wires until nothing is left, then commit.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::Instrument;
+use weir_nodes::{Emit, NodeCx, NodeError};
+use weir_queue::{
+    now_ms, Claimed, Committed, DoneKey, End, Message, Reply, StateKey, WaveEffects, WorkItem,
+};
+use weir_state::Overlay;
+
+use crate::{backoff, Executor, FlowRt};
+
+/// How a wave ended before its commit.
+enum Outcome {
+    Commit(WaveEffects, Vec<Reply>),
+    /// Stop without committing (a failpoint simulating a crash): the item is redelivered.
+    Abandon,
+}
+
+/// Runs of a wave whose commit met a conflict, before the item is left to redelivery.
+const CONFLICT_RERUNS: usize = 5;
+
+impl Executor {
+    pub(crate) async fn process(&self, flow: Option<Arc<FlowRt>>, c: Claimed) {
+        let span = tracing::info_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
+        async {
+            for _ in 0..CONFLICT_RERUNS {
+                let outcome = match &flow {
+                    None => Outcome::Commit(
+                        WaveEffects::ending(End::DeadLetter(format!("flow `{}` is not loaded", c.item.flow))),
+                        Vec::new(),
+                    ),
+                    Some(f) => match tokio::time::timeout(self.cfg.wave_deadline, self.prepare_and_run(f, &c)).await {
+                        Ok(o) => o,
+                        Err(_) => Outcome::Commit(self.deadline_passed(&c.item), Vec::new()),
+                    },
+                };
+                let (fx, replies) = match outcome {
+                    Outcome::Abandon => {
+                        tracing::warn!("wave abandoned before its commit (failpoint); the item will be redelivered");
+                        return;
+                    }
+                    Outcome::Commit(fx, replies) => (fx, replies),
+                };
+                match self.commit_with_retries(&c, fx).await {
+                    Some(Committed::Done) => {
+                        for r in replies {
+                            if let Err(e) = self.queue.post_reply(c.item.root_id(), r).await {
+                                tracing::warn!(error = %e, "could not post the webhook reply");
+                            }
+                        }
+                        return;
+                    }
+                    Some(Committed::Conflict) => {
+                        tracing::debug!("commit conflict; running the wave again");
+                        continue;
+                    }
+                    None => return,
+                }
+            }
+            tracing::warn!("wave kept conflicting; the item is left for redelivery");
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Commit, retrying while the backend is unavailable (up to the wave deadline).
+    async fn commit_with_retries(&self, c: &Claimed, fx: WaveEffects) -> Option<Committed> {
+        let deadline = tokio::time::Instant::now() + self.cfg.wave_deadline;
+        let mut delay = Duration::from_millis(20);
+        loop {
+            match self.queue.commit(c, fx.clone()).await {
+                Ok(r) => return Some(r),
+                Err(e) if tokio::time::Instant::now() + delay < deadline => {
+                    tracing::warn!(error = %e, "commit failed; trying again");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "commit failed; the item will be redelivered");
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// The checks before a wave (§4: paused, guard, ceiling), then the wave itself.
+    async fn prepare_and_run(&self, f: &FlowRt, c: &Claimed) -> Outcome {
+        let item = &c.item;
+        if !c.stepped {
+            match self.queue.is_paused(&item.flow).await {
+                Ok(true) => return Outcome::Commit(WaveEffects::ending(End::Park), Vec::new()),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the flow's pause state");
+                    return Outcome::Abandon;
+                }
+            }
+        }
+        let Some(start) = f.flow.node_index(&item.node) else {
+            return Outcome::Commit(
+                WaveEffects::ending(End::DeadLetter(format!(
+                    "node `{}` is not in flow `{}` (was the flow changed?)",
+                    item.node, item.flow
+                ))),
+                Vec::new(),
+            );
+        };
+        let mut guards = Vec::new();
+        if let (Some(k), Some(want)) = (&item.guard_key, &item.guard_value) {
+            let key = StateKey::new(&item.flow, &item.node, k);
+            match self.queue.read(&key).await {
+                Ok(v) if v.value.as_ref() == Some(want) => guards.push((key, want.clone())),
+                Ok(_) => return Outcome::Commit(WaveEffects::ending(End::Superseded), Vec::new()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read a guard");
+                    return Outcome::Abandon;
+                }
+            }
+        }
+        if item.deliveries > self.cfg.max_deliveries {
+            return Outcome::Commit(
+                WaveEffects::ending(End::DeadLetter(format!(
+                    "delivered {} times without finishing (ceiling {})",
+                    item.deliveries, self.cfg.max_deliveries
+                ))),
+                Vec::new(),
+            );
+        }
+        let mut out = self.run_wave(f, item, start).await;
+        if let Outcome::Commit(fx, _) = &mut out {
+            fx.guards = guards;
+        }
+        out
+    }
+
+    async fn run_wave(&self, f: &FlowRt, item: &WorkItem, start: usize) -> Outcome {
+        let flow = &f.flow;
+        let mut pending: VecDeque<(usize, Message)> = VecDeque::new();
+        if item.attempt > 0 {
+            // A retry at a node: run that node again with the input it failed on.
+            for m in item.outputs.first().into_iter().flatten() {
+                pending.push_back((start, m.clone()));
+            }
+        } else {
+            for (port, msgs) in item.outputs.iter().enumerate() {
+                for t in flow.graph.targets(start, port) {
+                    for m in msgs {
+                        pending.push_back((t, m.clone()));
+                    }
+                }
+            }
+        }
+        let mut overlay = Overlay::new();
+        let mut scheduled = Vec::new();
+        let mut replies = Vec::new();
+        let mut fx = WaveEffects::ending(End::Ack);
+        let mut failures = Vec::new();
+        let mut steps = 0usize;
+        while let Some((n, msg)) = pending.pop_front() {
+            steps += 1;
+            if steps > self.cfg.step_bound {
+                return Outcome::Commit(
+                    WaveEffects::ending(End::DeadLetter(format!(
+                        "the wave exceeded its step bound of {} node calls (a loop in the graph?)",
+                        self.cfg.step_bound
+                    ))),
+                    Vec::new(),
+                );
+            }
+            let position = steps as u32;
+            let node = &flow.nodes[n];
+            let done_key = DoneKey {
+                item: item.id,
+                node: node.id.clone(),
+                position,
+            };
+            let recorded = if node.node.side_effect() {
+                match self.queue.was_done(&done_key).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot read a done marker");
+                        return Outcome::Abandon;
+                    }
+                }
+            } else {
+                None
+            };
+            let result = match recorded {
+                Some(outputs) => {
+                    tracing::debug!(node = %node.id, "side effect already done for this item; replaying its outputs");
+                    Ok(Emit(outputs))
+                }
+                None => {
+                    let input = msg.clone();
+                    let mut cx = NodeCx::new(&flow.id, &node.id, item, &*self.queue, &mut overlay, &mut scheduled, &mut replies);
+                    let r = match tokio::time::timeout(self.cfg.node_timeout, node.node.call(input, &mut cx))
+                        .instrument(tracing::debug_span!("node", node = %node.id, kind = %node.kind))
+                        .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => Err(NodeError::transient(format!(
+                            "node `{}` timed out after {:?}",
+                            node.id, self.cfg.node_timeout
+                        ))),
+                    };
+                    if let (true, Ok(emit)) = (node.node.side_effect(), &r) {
+                        // Recorded right after the effect, before the wave goes on.
+                        if let Err(e) = self.queue.mark_done(done_key, emit.0.clone()).await {
+                            tracing::warn!(error = %e, node = %node.id, "could not record a done marker; a redelivery may repeat this effect");
+                        }
+                        if self.failpoints.hit(&format!("after:{}/{}", flow.id, node.id)) {
+                            return Outcome::Abandon;
+                        }
+                    }
+                    r
+                }
+            };
+            match result {
+                Ok(Emit(ports)) => {
+                    for (port, msgs) in ports.into_iter().enumerate() {
+                        let targets = flow.graph.targets(n, port);
+                        for m in msgs {
+                            for t in &targets {
+                                pending.push_back((*t, m.clone()));
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(node = %node.id, error = %e, "node failed");
+                    failures.push(format!("node `{}`: {e}", node.id));
+                    self.failure(item, &node.id, msg, e, &mut fx);
+                }
+            }
+        }
+        fx.state = overlay.into_writes();
+        for s in scheduled {
+            fx.delayed.push(s);
+        }
+        if !failures.is_empty() {
+            fx.outcome = Some(format!("done with failures: {}", failures.join("; ")));
+        }
+        Outcome::Commit(fx, replies)
+    }
+
+    /// A node failed on `input`: retry it at that node later, or dead-letter the input.
+    fn failure(&self, item: &WorkItem, node: &str, input: Message, e: NodeError, fx: &mut WaveEffects) {
+        let attempt = if item.node == node && item.attempt > 0 { item.attempt + 1 } else { 1 };
+        let mut retry = item.follow_up(node, format!("retry:{node}"), vec![vec![input]]);
+        retry.attempt = attempt;
+        retry.first_enqueued_at = item.first_enqueued_at;
+        let now = now_ms();
+        match e {
+            NodeError::Permanent(reason) => {
+                fx.dead.push((retry, format!("node `{node}` failed: {reason}")));
+            }
+            NodeError::Transient { reason, retry_after } => {
+                if now - item.first_enqueued_at > self.cfg.max_age.as_millis() as i64 {
+                    fx.dead.push((retry, format!("node `{node}`: gave up after the maximum age ({:?}): {reason}", self.cfg.max_age)));
+                } else {
+                    let wait = retry_after.unwrap_or_else(|| backoff(&self.cfg, attempt));
+                    retry.not_before = Some(now + wait.as_millis() as i64);
+                    fx.delayed.push(retry);
+                }
+            }
+            NodeError::Unclassified(reason) => {
+                if attempt >= self.cfg.max_deliveries {
+                    fx.dead.push((retry, format!("node `{node}` failed {attempt} times: {reason}")));
+                } else {
+                    retry.not_before = Some(now + backoff(&self.cfg, attempt).as_millis() as i64);
+                    fx.delayed.push(retry);
+                }
+            }
+        }
+    }
+
+    /// The wave ran past its deadline: a transient failure of the whole item. Its work is
+    /// journaled again for later; the done markers of what it did are kept under the old id.
+    fn deadline_passed(&self, item: &WorkItem) -> WaveEffects {
+        let mut again = item.clone();
+        again.id = ulid::Ulid::new();
+        again.origin_id = Some(item.root_id());
+        again.deliveries = 0;
+        again.cause = format!("retry:{}", item.node);
+        again.not_before = Some(now_ms() + backoff(&self.cfg, 1).as_millis() as i64);
+        WaveEffects {
+            delayed: vec![again],
+            outcome: Some(format!("wave passed its deadline of {:?}; journaled again", self.cfg.wave_deadline)),
+            ..WaveEffects::ending(End::Ack)
+        }
+    }
+}
