@@ -1,1 +1,243 @@
+//! weir: a flow engine that never loses an event.
+//!
+//! Flows written in YAML wire nodes into graphs; webhooks and cron ticks drive them. Every
+//! event is journaled as a work item before anything runs, and acknowledged only when the
+//! whole wave of work it started has committed. Embed it:
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), weir::EngineError> {
+//! let engine = weir::Engine::builder()
+//!     .flows_dir("flows")
+//!     .http("127.0.0.1:8080".parse().unwrap())
+//!     .build()?;
+//! engine.run(async { tokio::signal::ctrl_c().await.ok(); }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Add node types through [`Node`] and [`NodeFactory`] with [`EngineBuilder::node`].
 
+mod admin;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use weir_exec::{ExecConfig, Executor, Flows};
+use weir_triggers::webhook::Intake;
+
+pub use weir_exec;
+pub use weir_flow::{Diagnostic, Diagnostics};
+pub use weir_nodes::{
+    config, Built, ConfigError, Emit, Library, LoadedFlow, Node, NodeCx, NodeError, NodeFactory,
+    Wires,
+};
+pub use weir_queue::{self as queue, Failpoints, MemoryQueue, Message, WorkQueue};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Flows(#[from] Diagnostics),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Builds an [`Engine`]: flows, queue, HTTP address, node types, executor settings.
+pub struct EngineBuilder {
+    library: Library,
+    paths: Vec<PathBuf>,
+    sources: Vec<(String, String)>,
+    queue: Option<Arc<dyn WorkQueue>>,
+    http: SocketAddr,
+    exec: ExecConfig,
+    failpoints: Failpoints,
+}
+
+impl EngineBuilder {
+    /// Load every flow file of a folder (or one file).
+    pub fn flows_dir(mut self, path: impl Into<PathBuf>) -> Self {
+        self.paths.push(path.into());
+        self
+    }
+
+    /// Add a flow from text; `name` stands for its file in messages (its stem is the id).
+    pub fn flow_str(mut self, name: impl Into<String>, yaml: impl Into<String>) -> Self {
+        self.sources.push((name.into(), yaml.into()));
+        self
+    }
+
+    pub fn queue(mut self, q: Arc<dyn WorkQueue>) -> Self {
+        self.queue = Some(q);
+        self
+    }
+
+    /// Where webhooks and the admin API listen (port 0: any free port).
+    pub fn http(mut self, addr: SocketAddr) -> Self {
+        self.http = addr;
+        self
+    }
+
+    /// Register an application's own node type.
+    pub fn node(mut self, factory: impl NodeFactory + 'static) -> Self {
+        self.library.register(factory);
+        self
+    }
+
+    pub fn exec_config(mut self, cfg: ExecConfig) -> Self {
+        self.exec = cfg;
+        self
+    }
+
+    /// Failpoints for tests that break things on purpose.
+    pub fn failpoints(mut self, fp: Failpoints) -> Self {
+        self.failpoints = fp;
+        self
+    }
+
+    /// Load and validate every flow; every problem of every file is reported at once.
+    pub fn build(self) -> Result<Engine, EngineError> {
+        let mut flows = self.library.load_paths(&self.paths)?;
+        flows.extend(self.library.load_strs(&self.sources)?);
+        let mut seen = std::collections::HashSet::new();
+        for f in &flows {
+            if !seen.insert(f.id.clone()) {
+                return Err(EngineError::Config(format!("duplicate flow id `{}`", f.id)));
+            }
+        }
+        let queue = self.queue.unwrap_or_else(|| {
+            Arc::new(MemoryQueue::with_limits(100_000, self.failpoints.clone()))
+        });
+        Ok(Engine {
+            queue,
+            flows: Arc::new(Flows::new(flows)),
+            http: self.http,
+            exec: self.exec,
+            failpoints: self.failpoints,
+        })
+    }
+}
+
+/// A configured engine, ready to start.
+pub struct Engine {
+    queue: Arc<dyn WorkQueue>,
+    flows: Arc<Flows>,
+    http: SocketAddr,
+    exec: ExecConfig,
+    failpoints: Failpoints,
+}
+
+/// A started engine: its address, its queue, and how to stop it.
+pub struct RunningEngine {
+    pub addr: SocketAddr,
+    pub queue: Arc<dyn WorkQueue>,
+    stop: CancellationToken,
+    intake: Intake,
+    tracker: TaskTracker,
+    http: TaskTracker,
+    http_done: CancellationToken,
+}
+
+impl Engine {
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder {
+            library: Library::builtin(),
+            paths: Vec::new(),
+            sources: Vec::new(),
+            queue: None,
+            http: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            exec: ExecConfig::default(),
+            failpoints: Failpoints::from_env(),
+        }
+    }
+
+    pub fn queue(&self) -> Arc<dyn WorkQueue> {
+        self.queue.clone()
+    }
+
+    /// Bind the HTTP address and start the executor and the triggers.
+    pub async fn start(self) -> Result<RunningEngine, EngineError> {
+        let listener = tokio::net::TcpListener::bind(self.http)
+            .await
+            .map_err(|source| EngineError::Bind {
+                addr: self.http,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| EngineError::Bind {
+            addr: self.http,
+            source,
+        })?;
+        if !self.queue.durable() {
+            tracing::warn!("the queue is in memory: accepted events are lost if the process stops");
+        }
+        let stop = CancellationToken::new();
+        let intake = Intake::open();
+        let tracker = TaskTracker::new();
+        let executor = Executor::new(
+            self.queue.clone(),
+            self.flows.clone(),
+            self.exec.clone(),
+            self.failpoints.clone(),
+        );
+        let ex_stop = stop.clone();
+        tracker.spawn(async move { executor.run(ex_stop).await });
+        weir_triggers::cron::spawn_all(self.queue.clone(), &self.flows, &tracker, stop.clone());
+        let app = weir_triggers::webhook::router(self.queue.clone(), &self.flows, intake.clone())
+            .merge(admin::router(self.queue.clone(), self.flows.clone()))
+            .layer(axum::extract::DefaultBodyLimit::disable());
+        let http_done = CancellationToken::new();
+        let http_stop = http_done.clone();
+        let http = TaskTracker::new();
+        http.spawn(async move {
+            let r = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { http_stop.cancelled().await })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "HTTP server stopped");
+            }
+        });
+        let flows: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
+        tracing::info!(%addr, ?flows, durable = self.queue.durable(), "weir engine started");
+        Ok(RunningEngine {
+            addr,
+            queue: self.queue,
+            stop,
+            intake,
+            tracker,
+            http,
+            http_done,
+        })
+    }
+
+    /// Start, run until `shutdown` completes, then stop gracefully.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), EngineError> {
+        let running = self.start().await?;
+        shutdown.await;
+        running.shutdown().await;
+        Ok(())
+    }
+}
+
+impl RunningEngine {
+    /// Stop intake (webhooks answer 503), finish the waves in flight up to the grace period,
+    /// stop the HTTP server.
+    pub async fn shutdown(self) {
+        tracing::info!("shutting down: intake closed, finishing waves in flight");
+        self.intake.close();
+        self.stop.cancel();
+        self.tracker.close();
+        // The HTTP server keeps answering (503 for new events, replies for waiting webhooks)
+        // until the waves are done; then it stops.
+        self.tracker.wait().await;
+        self.http_done.cancel();
+        self.http.close();
+        self.http.wait().await;
+        tracing::info!("weir engine stopped");
+    }
+}

@@ -1,0 +1,238 @@
+//! Webhooks: `POST /hooks/<path>` journals a cascade item, then answers `202 {"id": ...}` —
+//! or, with `respond: wave`, waits (bounded) for the wave's `http-response`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::body::{to_bytes, Body};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::any;
+use axum::{Json, Router};
+use hmac::{Hmac, Mac};
+use serde_json::{json, Value};
+use sha2::Sha256;
+use subtle::ConstantTimeEq;
+use weir_exec::Flows;
+use weir_nodes::triggers::{Auth, Trigger, WebhookSpec};
+use weir_queue::{QueueError, WorkItem, WorkQueue};
+
+/// Whether triggers still take new events (off during shutdown: webhooks answer 503).
+#[derive(Clone, Default)]
+pub struct Intake(Arc<AtomicBool>);
+
+impl Intake {
+    pub fn open() -> Self {
+        Intake(Arc::new(AtomicBool::new(true)))
+    }
+    pub fn close(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+    pub fn is_open(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+struct Hook {
+    flow: String,
+    node: String,
+    spec: WebhookSpec,
+}
+
+#[derive(Clone)]
+struct Hooks {
+    queue: Arc<dyn WorkQueue>,
+    routes: Arc<HashMap<String, Vec<Hook>>>,
+    intake: Intake,
+}
+
+/// The `/hooks/*` routes for every webhook node of `flows`.
+pub fn router(queue: Arc<dyn WorkQueue>, flows: &Flows, intake: Intake) -> Router {
+    let mut routes: HashMap<String, Vec<Hook>> = HashMap::new();
+    for f in flows.all() {
+        for (node, t) in f.flow.triggers() {
+            if let Trigger::Webhook(spec) = t {
+                routes.entry(spec.path.clone()).or_default().push(Hook {
+                    flow: f.flow.id.clone(),
+                    node: node.to_string(),
+                    spec: spec.clone(),
+                });
+            }
+        }
+    }
+    let state = Hooks {
+        queue,
+        routes: Arc::new(routes),
+        intake,
+    };
+    Router::new()
+        .route("/hooks/{*path}", any(handle))
+        .with_state(state)
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": msg.into() }))).into_response()
+}
+
+async fn handle(
+    State(s): State<Hooks>,
+    Path(path): Path<String>,
+    method: Method,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let path = path.trim_matches('/').to_string();
+    let Some(hooks) = s.routes.get(&path) else {
+        return error(StatusCode::NOT_FOUND, format!("no webhook at /hooks/{path}"));
+    };
+    let Some(hook) = hooks.iter().find(|h| h.spec.method == method.as_str()) else {
+        let allowed: Vec<&str> = hooks.iter().map(|h| h.spec.method.as_str()).collect();
+        return error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("/hooks/{path} takes {}", allowed.join(", ")),
+        );
+    };
+    if !s.intake.is_open() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down; try again shortly");
+    }
+    let bytes = match to_bytes(body, hook.spec.max_body).await {
+        Ok(b) => b,
+        Err(_) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("body larger than {} bytes", hook.spec.max_body),
+            )
+        }
+    };
+    if let Some(auth) = &hook.spec.auth {
+        if !authorized(auth, &headers, &bytes) {
+            return error(StatusCode::UNAUTHORIZED, "missing or wrong credentials");
+        }
+    }
+    let payload = match decode(&headers, &bytes) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let msg = json!({ "payload": payload, "topic": path });
+    let item = WorkItem::cascade(&hook.flow, &hook.node, format!("webhook:{path}"), vec![msg]);
+    let id = item.id;
+    let added = match headers.get("idempotency-key").and_then(|v| v.to_str().ok()) {
+        Some(key) => {
+            let key = format!("{}:{}:{key}", hook.flow, hook.node);
+            s.queue.add_idempotent(&key, item).await.map(|(id, _)| id)
+        }
+        None => s.queue.add(vec![item]).await.map(|_| id),
+    };
+    let id = match added {
+        Ok(id) => id,
+        Err(QueueError::Full(n)) => {
+            let mut r = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("the queue is full ({n} items waiting); try again later"),
+            );
+            r.headers_mut()
+                .insert("retry-after", HeaderValue::from_static("1"));
+            return r;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, path, "webhook not journaled");
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not accepted, nothing journaled: {e}"),
+            );
+        }
+    };
+    if !hook.spec.respond_wave {
+        return (StatusCode::ACCEPTED, Json(json!({ "id": id.to_string() }))).into_response();
+    }
+    match s.queue.wait_reply(id, hook.spec.timeout).await {
+        Ok(Some(reply)) => {
+            let mut r = match reply.body {
+                Value::String(s) => s.into_response(),
+                other => Json(other).into_response(),
+            };
+            *r.status_mut() = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
+            for (k, v) in reply.headers {
+                if let (Ok(k), Ok(v)) = (HeaderName::try_from(k), HeaderValue::try_from(v)) {
+                    r.headers_mut().insert(k, v);
+                }
+            }
+            r.headers_mut().insert(
+                "x-weir-item",
+                HeaderValue::try_from(id.to_string()).unwrap_or(HeaderValue::from_static("")),
+            );
+            r
+        }
+        Ok(None) => (
+            StatusCode::GATEWAY_TIMEOUT,
+            Json(json!({
+                "id": id.to_string(),
+                "error": format!("no http-response within {:?}; the event was accepted and its wave goes on", hook.spec.timeout),
+            })),
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::GATEWAY_TIMEOUT,
+            Json(json!({ "id": id.to_string(), "error": e.to_string() })),
+        )
+            .into_response(),
+    }
+}
+
+fn authorized(auth: &Auth, headers: &HeaderMap, body: &[u8]) -> bool {
+    match auth {
+        Auth::Bearer { secret } => headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|t| bool::from(t.as_bytes().ct_eq(secret.as_bytes()))),
+        Auth::Hmac { secret } => {
+            let Some(sig) = headers
+                .get("x-weir-signature")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("sha256="))
+            else {
+                return false;
+            };
+            let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(secret.as_bytes()) else {
+                return false;
+            };
+            mac.update(body);
+            let want: String = mac
+                .finalize()
+                .into_bytes()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            bool::from(want.as_bytes().ct_eq(sig.to_ascii_lowercase().as_bytes()))
+        }
+    }
+}
+
+/// A JSON body becomes the payload; other UTF-8 text becomes a string; anything else is 415.
+#[allow(clippy::result_large_err)]
+fn decode(headers: &HeaderMap, bytes: &[u8]) -> Result<Value, Response> {
+    if bytes.is_empty() {
+        return Ok(Value::Null);
+    }
+    let ct = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let is_json = ct.starts_with("application/json") || ct.contains("+json");
+    if is_json {
+        return serde_json::from_slice(bytes).map_err(|e| {
+            error(StatusCode::BAD_REQUEST, format!("malformed JSON body: {e}"))
+        });
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(s) => Ok(Value::String(s.to_string())),
+        Err(_) => Err(error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "the body is neither JSON nor UTF-8 text",
+        )),
+    }
+}

@@ -1,0 +1,186 @@
+//! The operator's HTTP surface: stats, items, dead letters, flow control.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use ulid::Ulid;
+use weir_exec::Flows;
+use weir_queue::{ListFilter, QueueError, WorkQueue};
+
+#[derive(Clone)]
+struct Admin {
+    queue: Arc<dyn WorkQueue>,
+    flows: Arc<Flows>,
+}
+
+pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/api/stats", get(stats))
+        .route("/api/items/{id}", get(item))
+        .route("/api/queue", get(list))
+        .route("/api/queue/{id}", delete(cancel))
+        .route("/api/dead-letters", get(dead))
+        .route("/api/dead-letters/{id}", delete(discard))
+        .route("/api/dead-letters/{id}/replay", post(replay))
+        .route("/api/flows", get(flows_ls))
+        .route("/api/flows/{id}/{action}", post(flow_action))
+        .with_state(Admin { queue, flows })
+}
+
+fn err(e: QueueError) -> Response {
+    let status = match e {
+        QueueError::NotFound(_) => StatusCode::NOT_FOUND,
+        QueueError::Conflict(_) => StatusCode::CONFLICT,
+        QueueError::Full(_) => StatusCode::TOO_MANY_REQUESTS,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    (status, Json(json!({ "error": e.to_string() }))).into_response()
+}
+
+fn bad(msg: String) -> Response {
+    (StatusCode::BAD_REQUEST, Json(json!({ "error": msg }))).into_response()
+}
+
+fn parse_id(id: &str) -> Result<Ulid, Response> {
+    Ulid::from_string(id).map_err(|_| bad(format!("`{id}` is not an item id")))
+}
+
+async fn stats(State(a): State<Admin>) -> Response {
+    match a.queue.stats().await {
+        Ok(s) => Json(s).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+async fn item(State(a): State<Admin>, Path(id): Path<String>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return r,
+    };
+    match a.queue.get(id).await {
+        Ok(Some(v)) => Json(v).into_response(),
+        Ok(None) => err(QueueError::NotFound(id)),
+        Err(e) => err(e),
+    }
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    flow: Option<String>,
+    state: Option<String>,
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+async fn list(State(a): State<Admin>, Query(q): Query<ListQuery>) -> Response {
+    let after = match q.after.as_deref().map(parse_id).transpose() {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let filter = ListFilter {
+        flow: q.flow,
+        state: q.state,
+        after,
+        limit: q.limit.unwrap_or(100).min(1000),
+    };
+    match a.queue.list(filter).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+async fn cancel(State(a): State<Admin>, Path(id): Path<String>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return r,
+    };
+    match a.queue.cancel(id).await {
+        Ok(()) => Json(json!({ "cancelled": id.to_string() })).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+#[derive(Deserialize)]
+struct DeadQuery {
+    limit: Option<usize>,
+}
+
+async fn dead(State(a): State<Admin>, Query(q): Query<DeadQuery>) -> Response {
+    match a.queue.dead_letters(q.limit.unwrap_or(100).min(1000)).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+async fn discard(State(a): State<Admin>, Path(id): Path<String>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return r,
+    };
+    match a.queue.discard(id).await {
+        Ok(()) => Json(json!({ "discarded": id.to_string() })).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+async fn replay(State(a): State<Admin>, Path(id): Path<String>) -> Response {
+    let id = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return r,
+    };
+    match a.queue.replay(id).await {
+        Ok(new_id) => Json(json!({ "id": new_id.to_string(), "replayed": id.to_string() })).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+async fn flows_ls(State(a): State<Admin>) -> Response {
+    let mut out = Vec::new();
+    for f in a.flows.all() {
+        let paused = match a.queue.is_paused(&f.flow.id).await {
+            Ok(p) => p,
+            Err(e) => return err(e),
+        };
+        out.push(json!({
+            "id": f.flow.id,
+            "file": f.flow.file,
+            "description": f.flow.description,
+            "concurrency": f.flow.concurrency,
+            "paused": paused,
+            "nodes": f.flow.nodes.iter().map(|n| json!({"id": n.id, "type": n.kind})).collect::<Vec<_>>(),
+        }));
+    }
+    Json(out).into_response()
+}
+
+async fn flow_action(State(a): State<Admin>, Path((id, action)): Path<(String, String)>) -> Response {
+    if a.flows.get(&id).is_none() {
+        return (StatusCode::NOT_FOUND, Json(json!({ "error": format!("no flow `{id}`") }))).into_response();
+    }
+    let r = match action.as_str() {
+        "pause" => a.queue.set_paused(&id, true).await.map(|_| json!({ "flow": id, "paused": true })),
+        "resume" => match a.queue.set_paused(&id, false).await {
+            Ok(()) => a
+                .queue
+                .unpark(&id)
+                .await
+                .map(|n| json!({ "flow": id, "paused": false, "released": n })),
+            Err(e) => Err(e),
+        },
+        "step" => a.queue.unpark_one(&id).await.map(|stepped| {
+            json!({ "flow": id, "stepped": stepped.map(|s| s.to_string()) })
+        }),
+        other => return bad(format!("unknown flow action `{other}` (pause, resume, step)")),
+    };
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => err(e),
+    }
+}

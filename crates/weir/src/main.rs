@@ -1,0 +1,253 @@
+//! The `weir` binary: a thin CLI over the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand, ValueEnum};
+use weir::{Engine, Library};
+
+#[derive(Parser)]
+#[command(name = "weir", version, about = "A flow engine that never loses an event")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the engine on a folder of flows.
+    Run {
+        /// Folder (or file) of flows.
+        #[arg(default_value = "flows")]
+        flows: PathBuf,
+        /// Queue backend: `memory` (more arrive with the durable backends).
+        #[arg(long, env = "WEIR_QUEUE", default_value = "memory")]
+        queue: String,
+        /// Address for webhooks and the admin API.
+        #[arg(long, env = "WEIR_HTTP", default_value = "127.0.0.1:8080")]
+        http: SocketAddr,
+        /// Seconds to finish waves in flight on SIGINT/SIGTERM.
+        #[arg(long, default_value_t = 30)]
+        grace: u64,
+    },
+    /// Check flows; exit 1 with `file:line:column: message` for every problem.
+    Validate {
+        /// Flow files or folders.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Print a flow as a picture (Graphviz DOT or Mermaid).
+    Graph {
+        file: PathBuf,
+        #[arg(long, value_enum, default_value_t = Format::Dot)]
+        format: Format,
+    },
+    /// Look at and change the queue of a running engine.
+    Queue {
+        #[command(subcommand)]
+        cmd: QueueCmd,
+        /// The engine's admin address.
+        #[arg(long, env = "WEIR_URL", default_value = "http://127.0.0.1:8080", global = true)]
+        url: String,
+    },
+    /// Pause, resume or step the flows of a running engine.
+    Flow {
+        #[command(subcommand)]
+        cmd: FlowCmd,
+        #[arg(long, env = "WEIR_URL", default_value = "http://127.0.0.1:8080", global = true)]
+        url: String,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    Dot,
+    Mermaid,
+}
+
+#[derive(Subcommand)]
+enum QueueCmd {
+    /// Ready, in flight, delayed, parked, dead, oldest pending age, durable.
+    Stats,
+    /// Every item with its state.
+    Ls {
+        #[arg(long)]
+        flow: Option<String>,
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// One item by id.
+    Show { id: String },
+    /// Dead letters, newest first.
+    Dead,
+    /// Put a dead letter back.
+    Replay { id: String },
+    /// Drop a dead letter (a record is kept).
+    Discard { id: String },
+    /// Cancel a waiting, delayed or parked item.
+    Cancel { id: String },
+}
+
+#[derive(Subcommand)]
+enum FlowCmd {
+    Ls,
+    Pause { flow: String },
+    Resume { flow: String },
+    Step { flow: String },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Run {
+            flows,
+            queue,
+            http,
+            grace,
+        } => {
+            if queue != "memory" {
+                bail!("queue `{queue}`: this build has the `memory` backend only");
+            }
+            let cfg = weir::weir_exec::ExecConfig {
+                shutdown_grace: std::time::Duration::from_secs(grace),
+                ..Default::default()
+            };
+            let engine = Engine::builder()
+                .flows_dir(&flows)
+                .http(http)
+                .exec_config(cfg)
+                .build()?;
+            engine.run(shutdown_signal()).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Validate { paths } => match Library::builtin().load_paths(&paths) {
+            Ok(flows) => {
+                for f in flows {
+                    println!("{}: ok (flow `{}`, {} nodes)", f.file, f.id, f.nodes.len());
+                }
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(d) => {
+                eprintln!("{d}");
+                eprintln!("{} problem(s) found", d.0.len());
+                Ok(ExitCode::from(1))
+            }
+        },
+        Cmd::Graph { file, format } => {
+            let src = std::fs::read_to_string(&file)
+                .with_context(|| format!("cannot read {}", file.display()))?;
+            let flow = match Library::builtin().load_str(&file.display().to_string(), &src) {
+                Ok(f) => f,
+                Err(d) => {
+                    eprintln!("{d}");
+                    return Ok(ExitCode::from(1));
+                }
+            };
+            let kinds = flow.kinds();
+            match format {
+                Format::Dot => print!("{}", flow.graph.to_dot(&flow.id, &kinds)),
+                Format::Mermaid => print!("{}", flow.graph.to_mermaid(&kinds)),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Queue { cmd, url } => {
+            let (method, path) = match &cmd {
+                QueueCmd::Stats => ("GET", "/api/stats".to_string()),
+                QueueCmd::Ls { flow, state } => {
+                    let mut q = Vec::new();
+                    if let Some(f) = flow {
+                        q.push(format!("flow={f}"));
+                    }
+                    if let Some(s) = state {
+                        q.push(format!("state={s}"));
+                    }
+                    ("GET", format!("/api/queue?{}", q.join("&")))
+                }
+                QueueCmd::Show { id } => ("GET", format!("/api/items/{id}")),
+                QueueCmd::Dead => ("GET", "/api/dead-letters".into()),
+                QueueCmd::Replay { id } => ("POST", format!("/api/dead-letters/{id}/replay")),
+                QueueCmd::Discard { id } => ("DELETE", format!("/api/dead-letters/{id}")),
+                QueueCmd::Cancel { id } => ("DELETE", format!("/api/queue/{id}")),
+            };
+            call(&url, method, &path).await
+        }
+        Cmd::Flow { cmd, url } => {
+            let (method, path) = match &cmd {
+                FlowCmd::Ls => ("GET", "/api/flows".to_string()),
+                FlowCmd::Pause { flow } => ("POST", format!("/api/flows/{flow}/pause")),
+                FlowCmd::Resume { flow } => ("POST", format!("/api/flows/{flow}/resume")),
+                FlowCmd::Step { flow } => ("POST", format!("/api/flows/{flow}/step")),
+            };
+            call(&url, method, &path).await
+        }
+    }
+}
+
+async fn call(base: &str, method: &str, path: &str) -> anyhow::Result<ExitCode> {
+    let url = format!("{}{path}", base.trim_end_matches('/'));
+    let client = reqwest::Client::new();
+    let req = match method {
+        "POST" => client.post(&url),
+        "DELETE" => client.delete(&url),
+        _ => client.get(&url),
+    };
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("cannot reach the engine at {base} (is `weir run` running?)"))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+    println!("{}", serde_json::to_string_pretty(&body)?);
+    Ok(if status.is_success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
