@@ -1,0 +1,435 @@
+//! Whole-engine tests: a real engine on a free port, driven over HTTP as a user would.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use weir::Failpoints;
+use weir_testkit::{get_json, post_admin, post_json, start, wait_for, Sink};
+
+const SECS: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn webhook_echo_is_answered_by_the_wave() {
+    let flow = r#"
+nodes:
+  hook: { type: webhook, path: echo, respond: wave, to: [shape] }
+  shape:
+    type: function
+    script: |
+      msg.payload = #{ echoed: msg.payload.word + "!" };
+      msg
+    to: [answer]
+  answer: { type: http-response, status: 201, headers: { x-flow: echo } }
+"#;
+    let e = start(&[("echo.yaml", flow)], Failpoints::new()).await;
+    let r = post_json(&e, "echo", json!({"word": "hello"})).await;
+    assert_eq!(r.status(), 201);
+    assert_eq!(r.headers()["x-flow"], "echo");
+    assert!(r.headers().contains_key("x-weir-item"));
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"echoed": "hello!"}));
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn respond_wave_without_an_answer_times_out_with_504_and_the_id() {
+    let flow = r#"
+nodes:
+  hook: { type: webhook, path: slow, respond: wave, timeout: 300ms, to: [wait] }
+  wait: { type: delay, for: 2s, to: [answer] }
+  answer: { type: http-response }
+"#;
+    let e = start(&[("slow.yaml", flow)], Failpoints::new()).await;
+    let t = Instant::now();
+    let r = post_json(&e, "slow", json!(1)).await;
+    assert_eq!(r.status(), 504);
+    assert!(t.elapsed() < Duration::from_secs(2));
+    let body: Value = r.json().await.unwrap();
+    let id = body["id"].as_str().unwrap().to_string();
+    let item = get_json(&e, &format!("/api/items/{id}")).await;
+    assert_eq!(item["item"]["id"], id.as_str(), "the event was accepted: {item}");
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn switch_routes_by_rule_and_else() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+nodes:
+  in: {{ type: webhook, path: route, to: [which] }}
+  which:
+    type: switch
+    rules:
+      - if: msg.payload.n > 10
+        to: [big]
+      - if: msg.payload.n > 5
+        to: [medium]
+    else: [small]
+  big: {{ type: set, set: {{ payload.kind: big }}, to: [out] }}
+  medium: {{ type: set, set: {{ payload.kind: medium }}, to: [out] }}
+  small: {{ type: set, set: {{ payload.kind: small }}, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("route")
+    );
+    let e = start(&[("route.yaml", &flow)], Failpoints::new()).await;
+    for n in [20, 7, 1] {
+        assert_eq!(post_json(&e, "route", json!({"n": n})).await.status(), 202);
+    }
+    wait_for("three routed messages", SECS, || sink.count() == 3).await;
+    let mut kinds: Vec<(i64, String)> = sink
+        .bodies()
+        .iter()
+        .map(|b| (b["n"].as_i64().unwrap(), b["kind"].as_str().unwrap().to_string()))
+        .collect();
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        vec![(1, "small".into()), (7, "medium".into()), (20, "big".into())]
+    );
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn debounce_sends_only_the_last_message_timed_from_the_last() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+nodes:
+  in: {{ type: webhook, path: bounce, to: [quiet] }}
+  quiet: {{ type: delay, for: 600ms, mode: restart, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("bounce")
+    );
+    let e = start(&[("bounce.yaml", &flow)], Failpoints::new()).await;
+    let mut last_sent = Instant::now();
+    for n in 0..5 {
+        assert_eq!(post_json(&e, "bounce", json!({"n": n})).await.status(), 202);
+        last_sent = Instant::now();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    wait_for("the debounced message", SECS, || sink.count() >= 1).await;
+    // Give any wrongly surviving timer time to fire too.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let got = sink.received();
+    assert_eq!(got.len(), 1, "only the last of the burst: {:?}", sink.bodies());
+    assert_eq!(got[0].1, json!({"n": 4}));
+    assert!(
+        got[0].0.duration_since(last_sent) >= Duration::from_millis(550),
+        "timed from the last message"
+    );
+    let stats = get_json(&e, "/api/stats").await;
+    assert_eq!(stats["delayed"], 0);
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn each_delays_every_message() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+nodes:
+  in: {{ type: webhook, path: wait, to: [hold] }}
+  hold: {{ type: delay, for: 400ms, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("each")
+    );
+    let e = start(&[("wait.yaml", &flow)], Failpoints::new()).await;
+    let sent = Instant::now();
+    for n in 0..3 {
+        post_json(&e, "wait", json!({"n": n})).await;
+    }
+    let stats = get_json(&e, "/api/stats").await;
+    assert!(stats["delayed"].as_u64().unwrap() + stats["ready"].as_u64().unwrap() + stats["in_flight"].as_u64().unwrap() >= 1);
+    wait_for("three delayed messages", SECS, || sink.count() == 3).await;
+    for (at, _) in sink.received() {
+        assert!(at.duration_since(sent) >= Duration::from_millis(380));
+    }
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_seconds_cron_ticks_about_once_a_second() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+nodes:
+  every: {{ type: cron, schedule: "* * * * * *", to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("tick")
+    );
+    let e = start(&[("tick.yaml", &flow)], Failpoints::new()).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let n = sink.count();
+    assert!((2..=5).contains(&n), "{n} ticks in 3.5 s");
+    let ticks: Vec<String> = sink.bodies().iter().map(|b| b.as_str().unwrap().to_string()).collect();
+    let mut dedup = ticks.clone();
+    dedup.dedup();
+    assert_eq!(ticks, dedup, "each tick journaled once");
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn paused_flow_parks_step_runs_the_oldest_resume_runs_the_rest_in_order() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+concurrency: 1
+nodes:
+  in: {{ type: webhook, path: p, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("p")
+    );
+    let e = start(&[("paused.yaml", &flow)], Failpoints::new()).await;
+    assert_eq!(post_admin(&e, "/api/flows/paused/pause").await["paused"], true);
+    for n in 0..4 {
+        post_json(&e, "p", json!({"n": n})).await;
+    }
+    let parked = || async { get_json(&e, "/api/stats").await["parked"].as_u64().unwrap() };
+    let deadline = Instant::now() + SECS;
+    while parked().await < 4 {
+        assert!(Instant::now() < deadline, "items were not parked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(sink.count(), 0, "a paused flow runs nothing");
+    let step = post_admin(&e, "/api/flows/paused/step").await;
+    assert!(step["stepped"].is_string());
+    wait_for("the stepped item", SECS, || sink.count() == 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(sink.bodies(), vec![json!({"n": 0})], "step runs exactly the oldest");
+    assert_eq!(parked().await, 3);
+    let flows = get_json(&e, "/api/flows").await;
+    assert_eq!(flows[0]["paused"], true, "still paused after a step");
+    post_admin(&e, "/api/flows/paused/resume").await;
+    wait_for("the rest", SECS, || sink.count() == 4).await;
+    assert_eq!(
+        sink.bodies(),
+        (0..4).map(|n| json!({"n": n})).collect::<Vec<_>>(),
+        "in order"
+    );
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_poison_message_is_dead_lettered_while_the_others_flow() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+nodes:
+  in: {{ type: webhook, path: mixed, to: [check] }}
+  check:
+    type: function
+    script: |
+      if msg.payload.poison == true {{ throw "cannot digest " + msg.payload.n; }}
+      if msg.payload.spin == true {{ loop {{ }} }}
+      msg
+    to: [out]
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("mixed")
+    );
+    let e = start(&[("mixed.yaml", &flow)], Failpoints::new()).await;
+    let msgs = [
+        json!({"n": 1}),
+        json!({"n": 2, "poison": true}),
+        json!({"n": 3, "spin": true}),
+        json!({"n": 4}),
+    ];
+    for m in msgs {
+        assert_eq!(post_json(&e, "mixed", m).await.status(), 202);
+    }
+    wait_for("the two good messages", SECS, || sink.count() == 2).await;
+    let mut ns: Vec<i64> = sink.bodies().iter().map(|b| b["n"].as_i64().unwrap()).collect();
+    ns.sort();
+    assert_eq!(ns, vec![1, 4]);
+    let deadline = Instant::now() + SECS;
+    let dead = loop {
+        let d = get_json(&e, "/api/dead-letters").await;
+        if d.as_array().unwrap().len() == 2 || Instant::now() > deadline {
+            break d;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let reasons: Vec<String> = dead
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["reason"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(reasons.len(), 2, "{dead}");
+    assert!(reasons.iter().any(|r| r.contains("cannot digest 2")), "{reasons:?}");
+    assert!(reasons.iter().any(|r| r.contains("operations")), "{reasons:?}");
+    // A dead letter can be replayed: it fails the same way, and is listed again.
+    let id = dead[0]["item"]["id"].as_str().unwrap();
+    let replayed = post_admin(&e, &format!("/api/dead-letters/{id}/replay")).await;
+    assert!(replayed["id"].is_string(), "{replayed}");
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_side_effect_happens_once_across_a_redelivery_and_the_rest_of_the_wave_runs() {
+    let effects = Sink::start().await;
+    let after = Sink::start().await;
+    let flow = format!(
+        r#"
+nodes:
+  in: {{ type: webhook, path: once, to: [charge] }}
+  charge: {{ type: http-request, url: "{}", to: [note] }}
+  note:
+    type: function
+    script: |
+      msg.payload = #{{ charged: msg.status }};
+      msg
+    to: [tell]
+  tell: {{ type: http-request, url: "{}" }}
+"#,
+        effects.url("charge"),
+        after.url("after")
+    );
+    let fp = Failpoints::new();
+    // The first wave stops dead right after the charge and its done marker, as a crash would.
+    fp.arm("after:once/charge", 1);
+    let e = start(&[("once.yaml", &flow)], fp).await;
+    let r = post_json(&e, "once", json!({"order": 7})).await;
+    let id = r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+    wait_for("the wave downstream of the charge", SECS, || after.count() == 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(effects.count(), 1, "the charge happened once");
+    assert_eq!(after.bodies(), vec![json!({"charged": 200})]);
+    let item = get_json(&e, &format!("/api/items/{id}")).await;
+    assert_eq!(item["item"]["deliveries"], 2, "the item was redelivered: {item}");
+    assert_eq!(item["state"], "finished");
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_failing_sink_is_retried_at_that_node_only() {
+    let counter = Sink::start().await;
+    let sink = Sink::start().await;
+    sink.fail_next(&[503, 503]);
+    let flow = format!(
+        r#"
+nodes:
+  in: {{ type: webhook, path: retry, to: [first] }}
+  first: {{ type: http-request, url: "{}", to: [second] }}
+  second: {{ type: http-request, url: "{}" }}
+"#,
+        counter.url("first"),
+        sink.url("second")
+    );
+    let e = start(&[("retry.yaml", &flow)], Failpoints::new()).await;
+    post_json(&e, "retry", json!({"x": 1})).await;
+    wait_for("delivery after two 503s", SECS, || sink.count() == 1).await;
+    assert_eq!(counter.count(), 1, "upstream did not run again");
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_loop_in_the_graph_is_dead_lettered_not_spun() {
+    let flow = r#"
+nodes:
+  in: { type: webhook, path: loop, to: [a] }
+  a: { type: set, set: { payload.x: 1 }, to: [b] }
+  b: { type: set, set: { payload.y: 2 }, to: [a] }
+"#;
+    let e = start(&[("loop.yaml", flow)], Failpoints::new()).await;
+    let id = post_json(&e, "loop", json!({})).await.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let deadline = Instant::now() + SECS;
+    loop {
+        let item = get_json(&e, &format!("/api/items/{id}")).await;
+        if item["state"] == "dead" {
+            assert!(item["reason"].as_str().unwrap().contains("step bound"), "{item}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "not dead-lettered: {item}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn webhook_answers_clear_errors() {
+    std::env::set_var("WEIR_TEST_HOOK_TOKEN", "sesame");
+    let flow = r#"
+nodes:
+  open: { type: webhook, path: open, max_body: 64 }
+  locked: { type: webhook, path: locked, auth: { bearer_env: WEIR_TEST_HOOK_TOKEN } }
+"#;
+    let e = start(&[("hooks.yaml", flow)], Failpoints::new()).await;
+    let c = reqwest::Client::new();
+    let url = |p: &str| format!("http://{}/hooks/{p}", e.addr);
+    assert_eq!(c.post(url("missing")).send().await.unwrap().status(), 404);
+    assert_eq!(c.get(url("open")).send().await.unwrap().status(), 405);
+    assert_eq!(c.post(url("open")).body("x".repeat(65)).send().await.unwrap().status(), 413);
+    let bad_json = c.post(url("open")).header("content-type", "application/json").body("{nope").send().await.unwrap();
+    assert_eq!(bad_json.status(), 400);
+    assert!(bad_json.text().await.unwrap().contains("malformed JSON"));
+    assert_eq!(c.post(url("open")).body(vec![0xff, 0xfe]).send().await.unwrap().status(), 415);
+    let text = c.post(url("open")).body("plain words").send().await.unwrap();
+    assert_eq!(text.status(), 202);
+    assert_eq!(c.post(url("locked")).send().await.unwrap().status(), 401);
+    assert_eq!(c.post(url("locked")).bearer_auth("wrong").send().await.unwrap().status(), 401);
+    assert_eq!(c.post(url("locked")).bearer_auth("sesame").send().await.unwrap().status(), 202);
+    let stats = get_json(&e, "/api/stats").await;
+    let accepted = ["ready", "in_flight"].iter().map(|k| stats[k].as_u64().unwrap()).sum::<u64>();
+    assert!(accepted <= 2, "refused requests journaled nothing: {stats}");
+    // The same Idempotency-Key gives back the first id.
+    let first: Value = c.post(url("open")).header("idempotency-key", "k1").body("a").send().await.unwrap().json().await.unwrap();
+    let again: Value = c.post(url("open")).header("idempotency-key", "k1").body("a").send().await.unwrap().json().await.unwrap();
+    assert_eq!(first["id"], again["id"]);
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn function_state_is_durable_node_memory() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+concurrency: 4
+nodes:
+  in: {{ type: webhook, path: count, to: [count] }}
+  count:
+    type: function
+    script: |
+      let n = state.get("n");
+      if n == () {{ n = 0; }}
+      n += 1;
+      state.set("n", n);
+      msg.payload = n;
+      msg
+    to: [out]
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("count")
+    );
+    let e = start(&[("count.yaml", &flow)], Failpoints::new()).await;
+    for _ in 0..10 {
+        post_json(&e, "count", json!(null)).await;
+    }
+    wait_for("ten counts", SECS, || sink.count() == 10).await;
+    let mut got: Vec<i64> = sink.bodies().iter().map(|b| b.as_i64().unwrap()).collect();
+    got.sort();
+    assert_eq!(got, (1..=10).collect::<Vec<_>>(), "no lost update");
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_refuses_new_events_and_finishes() {
+    let flow = r#"
+nodes:
+  in: { type: webhook, path: s }
+"#;
+    let e = start(&[("s.yaml", flow)], Failpoints::new()).await;
+    let addr = e.addr;
+    assert_eq!(post_json(&e, "s", json!(1)).await.status(), 202);
+    tokio::time::timeout(SECS, e.shutdown()).await.expect("shutdown finishes");
+    assert!(reqwest::Client::new().post(format!("http://{addr}/hooks/s")).send().await.is_err(), "server stopped");
+}
