@@ -143,3 +143,23 @@ pub async fn post_admin(engine: &RunningEngine, path: &str) -> Value {
         .await
         .expect("JSON")
 }
+
+/// The `weir` binary of this build (built on demand when a test runs alone).
+pub fn weir_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .to_path_buf();
+    let bin = dir.join("weir");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args(["build", "-q", "-p", "weir", "--bin", "weir"])
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "building the weir binary failed");
+    }
+    bin
+}

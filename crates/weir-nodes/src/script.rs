@@ -28,10 +28,10 @@ pub fn file_pos(at: Pos, style: Style, err: &rhai::ParseError) -> Pos {
     let line = p.line().unwrap_or(1);
     let col = p.position().unwrap_or(1);
     match style {
-        // A block scalar's text starts on the line after `|`, indented under its key.
+        // A block scalar's span starts at its first line of text, after the indentation.
         Style::Block => Pos {
-            line: at.line + line,
-            col: col + 1,
+            line: at.line + line - 1,
+            col: at.col + col - 1,
         },
         Style::Quoted if line == 1 => Pos {
             line: at.line,
