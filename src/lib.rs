@@ -54,10 +54,16 @@ impl Sink {
         let app = Router::new()
             .route("/{*path}", post(record))
             .with_state(state);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind sink");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind sink");
         let addr = listener.local_addr().expect("sink addr");
         tokio::spawn(async move { axum::serve(listener, app).await });
-        Sink { addr, got, fail_with }
+        Sink {
+            addr,
+            got,
+            fail_with,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -70,7 +76,12 @@ impl Sink {
     }
 
     pub fn bodies(&self) -> Vec<Value> {
-        self.got.lock().unwrap().iter().map(|(_, v)| v.clone()).collect()
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, v)| v.clone())
+            .collect()
     }
 
     pub fn received(&self) -> Vec<(Instant, Value)> {
@@ -90,7 +101,11 @@ async fn record(
 ) -> (axum::http::StatusCode, Json<Value>) {
     let status = {
         let mut f = fail.lock().unwrap();
-        if f.is_empty() { 200 } else { f.remove(0) }
+        if f.is_empty() {
+            200
+        } else {
+            f.remove(0)
+        }
     };
     if status == 200 {
         got.lock().unwrap().push((Instant::now(), body));

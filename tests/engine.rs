@@ -26,7 +26,10 @@ nodes:
     assert_eq!(r.status(), 201);
     assert_eq!(r.headers()["x-flow"], "echo");
     assert!(r.headers().contains_key("x-weir-item"));
-    assert_eq!(r.json::<Value>().await.unwrap(), json!({"echoed": "hello!"}));
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"echoed": "hello!"})
+    );
     e.shutdown().await;
 }
 
@@ -46,7 +49,11 @@ nodes:
     let body: Value = r.json().await.unwrap();
     let id = body["id"].as_str().unwrap().to_string();
     let item = get_json(&e, &format!("/api/items/{id}")).await;
-    assert_eq!(item["item"]["id"], id.as_str(), "the event was accepted: {item}");
+    assert_eq!(
+        item["item"]["id"],
+        id.as_str(),
+        "the event was accepted: {item}"
+    );
     e.shutdown().await;
 }
 
@@ -80,12 +87,21 @@ nodes:
     let mut kinds: Vec<(i64, String)> = sink
         .bodies()
         .iter()
-        .map(|b| (b["n"].as_i64().unwrap(), b["kind"].as_str().unwrap().to_string()))
+        .map(|b| {
+            (
+                b["n"].as_i64().unwrap(),
+                b["kind"].as_str().unwrap().to_string(),
+            )
+        })
         .collect();
     kinds.sort();
     assert_eq!(
         kinds,
-        vec![(1, "small".into()), (7, "medium".into()), (20, "big".into())]
+        vec![
+            (1, "small".into()),
+            (7, "medium".into()),
+            (20, "big".into())
+        ]
     );
     e.shutdown().await;
 }
@@ -113,7 +129,12 @@ nodes:
     // Give any wrongly surviving timer time to fire too.
     tokio::time::sleep(Duration::from_millis(900)).await;
     let got = sink.received();
-    assert_eq!(got.len(), 1, "only the last of the burst: {:?}", sink.bodies());
+    assert_eq!(
+        got.len(),
+        1,
+        "only the last of the burst: {:?}",
+        sink.bodies()
+    );
     assert_eq!(got[0].1, json!({"n": 4}));
     assert!(
         got[0].0.duration_since(last_sent) >= Duration::from_millis(550),
@@ -142,7 +163,12 @@ nodes:
         post_json(&e, "wait", json!({"n": n})).await;
     }
     let stats = get_json(&e, "/api/stats").await;
-    assert!(stats["delayed"].as_u64().unwrap() + stats["ready"].as_u64().unwrap() + stats["in_flight"].as_u64().unwrap() >= 1);
+    assert!(
+        stats["delayed"].as_u64().unwrap()
+            + stats["ready"].as_u64().unwrap()
+            + stats["in_flight"].as_u64().unwrap()
+            >= 1
+    );
     wait_for("three delayed messages", SECS, || sink.count() == 3).await;
     for (at, _) in sink.received() {
         assert!(at.duration_since(sent) >= Duration::from_millis(380));
@@ -165,7 +191,11 @@ nodes:
     tokio::time::sleep(Duration::from_millis(3500)).await;
     let n = sink.count();
     assert!((2..=5).contains(&n), "{n} ticks in 3.5 s");
-    let ticks: Vec<String> = sink.bodies().iter().map(|b| b.as_str().unwrap().to_string()).collect();
+    let ticks: Vec<String> = sink
+        .bodies()
+        .iter()
+        .map(|b| b.as_str().unwrap().to_string())
+        .collect();
     let mut dedup = ticks.clone();
     dedup.dedup();
     assert_eq!(ticks, dedup, "each tick journaled once");
@@ -185,7 +215,10 @@ nodes:
         sink.url("p")
     );
     let e = start(&[("paused.yaml", &flow)], Failpoints::new()).await;
-    assert_eq!(post_admin(&e, "/api/flows/paused/pause").await["paused"], true);
+    assert_eq!(
+        post_admin(&e, "/api/flows/paused/pause").await["paused"],
+        true
+    );
     for n in 0..4 {
         post_json(&e, "p", json!({"n": n})).await;
     }
@@ -201,7 +234,11 @@ nodes:
     assert!(step["stepped"].is_string());
     wait_for("the stepped item", SECS, || sink.count() == 1).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(sink.bodies(), vec![json!({"n": 0})], "step runs exactly the oldest");
+    assert_eq!(
+        sink.bodies(),
+        vec![json!({"n": 0})],
+        "step runs exactly the oldest"
+    );
     assert_eq!(parked().await, 3);
     let flows = get_json(&e, "/api/flows").await;
     assert_eq!(flows[0]["paused"], true, "still paused after a step");
@@ -244,7 +281,11 @@ nodes:
         assert_eq!(post_json(&e, "mixed", m).await.status(), 202);
     }
     wait_for("the two good messages", SECS, || sink.count() == 2).await;
-    let mut ns: Vec<i64> = sink.bodies().iter().map(|b| b["n"].as_i64().unwrap()).collect();
+    let mut ns: Vec<i64> = sink
+        .bodies()
+        .iter()
+        .map(|b| b["n"].as_i64().unwrap())
+        .collect();
     ns.sort();
     assert_eq!(ns, vec![1, 4]);
     let deadline = Instant::now() + SECS;
@@ -262,8 +303,14 @@ nodes:
         .map(|d| d["reason"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(reasons.len(), 2, "{dead}");
-    assert!(reasons.iter().any(|r| r.contains("cannot digest 2")), "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.contains("operations")), "{reasons:?}");
+    assert!(
+        reasons.iter().any(|r| r.contains("cannot digest 2")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("operations")),
+        "{reasons:?}"
+    );
     // A dead letter can be replayed: it fails the same way, and is listed again.
     let id = dead[0]["item"]["id"].as_str().unwrap();
     let replayed = post_admin(&e, &format!("/api/dead-letters/{id}/replay")).await;
@@ -296,13 +343,22 @@ nodes:
     fp.arm("after:once/charge", 1);
     let e = start(&[("once.yaml", &flow)], fp).await;
     let r = post_json(&e, "once", json!({"order": 7})).await;
-    let id = r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
-    wait_for("the wave downstream of the charge", SECS, || after.count() == 1).await;
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    wait_for("the wave downstream of the charge", SECS, || {
+        after.count() == 1
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(effects.count(), 1, "the charge happened once");
     assert_eq!(after.bodies(), vec![json!({"charged": 200})]);
     let item = get_json(&e, &format!("/api/items/{id}")).await;
-    assert_eq!(item["item"]["deliveries"], 2, "the item was redelivered: {item}");
+    assert_eq!(
+        item["item"]["deliveries"], 2,
+        "the item was redelivered: {item}"
+    );
     assert_eq!(item["state"], "finished");
     e.shutdown().await;
 }
@@ -338,7 +394,11 @@ nodes:
   b: { type: set, set: { payload.y: 2 }, to: [a] }
 "#;
     let e = start(&[("loop.yaml", flow)], Failpoints::new()).await;
-    let id = post_json(&e, "loop", json!({})).await.json::<Value>().await.unwrap()["id"]
+    let id = post_json(&e, "loop", json!({}))
+        .await
+        .json::<Value>()
+        .await
+        .unwrap()["id"]
         .as_str()
         .unwrap()
         .to_string();
@@ -346,7 +406,10 @@ nodes:
     loop {
         let item = get_json(&e, &format!("/api/items/{id}")).await;
         if item["state"] == "dead" {
-            assert!(item["reason"].as_str().unwrap().contains("step bound"), "{item}");
+            assert!(
+                item["reason"].as_str().unwrap().contains("step bound"),
+                "{item}"
+            );
             break;
         }
         assert!(Instant::now() < deadline, "not dead-lettered: {item}");
@@ -368,22 +431,86 @@ nodes:
     let url = |p: &str| format!("http://{}/hooks/{p}", e.addr);
     assert_eq!(c.post(url("missing")).send().await.unwrap().status(), 404);
     assert_eq!(c.get(url("open")).send().await.unwrap().status(), 405);
-    assert_eq!(c.post(url("open")).body("x".repeat(65)).send().await.unwrap().status(), 413);
-    let bad_json = c.post(url("open")).header("content-type", "application/json").body("{nope").send().await.unwrap();
+    assert_eq!(
+        c.post(url("open"))
+            .body("x".repeat(65))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        413
+    );
+    let bad_json = c
+        .post(url("open"))
+        .header("content-type", "application/json")
+        .body("{nope")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(bad_json.status(), 400);
     assert!(bad_json.text().await.unwrap().contains("malformed JSON"));
-    assert_eq!(c.post(url("open")).body(vec![0xff, 0xfe]).send().await.unwrap().status(), 415);
-    let text = c.post(url("open")).body("plain words").send().await.unwrap();
+    assert_eq!(
+        c.post(url("open"))
+            .body(vec![0xff, 0xfe])
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        415
+    );
+    let text = c
+        .post(url("open"))
+        .body("plain words")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(text.status(), 202);
     assert_eq!(c.post(url("locked")).send().await.unwrap().status(), 401);
-    assert_eq!(c.post(url("locked")).bearer_auth("wrong").send().await.unwrap().status(), 401);
-    assert_eq!(c.post(url("locked")).bearer_auth("sesame").send().await.unwrap().status(), 202);
+    assert_eq!(
+        c.post(url("locked"))
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    assert_eq!(
+        c.post(url("locked"))
+            .bearer_auth("sesame")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        202
+    );
     let stats = get_json(&e, "/api/stats").await;
-    let accepted = ["ready", "in_flight"].iter().map(|k| stats[k].as_u64().unwrap()).sum::<u64>();
+    let accepted = ["ready", "in_flight"]
+        .iter()
+        .map(|k| stats[k].as_u64().unwrap())
+        .sum::<u64>();
     assert!(accepted <= 2, "refused requests journaled nothing: {stats}");
     // The same Idempotency-Key gives back the first id.
-    let first: Value = c.post(url("open")).header("idempotency-key", "k1").body("a").send().await.unwrap().json().await.unwrap();
-    let again: Value = c.post(url("open")).header("idempotency-key", "k1").body("a").send().await.unwrap().json().await.unwrap();
+    let first: Value = c
+        .post(url("open"))
+        .header("idempotency-key", "k1")
+        .body("a")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let again: Value = c
+        .post(url("open"))
+        .header("idempotency-key", "k1")
+        .body("a")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(first["id"], again["id"]);
     e.shutdown().await;
 }
@@ -430,6 +557,15 @@ nodes:
     let e = start(&[("s.yaml", flow)], Failpoints::new()).await;
     let addr = e.addr;
     assert_eq!(post_json(&e, "s", json!(1)).await.status(), 202);
-    tokio::time::timeout(SECS, e.shutdown()).await.expect("shutdown finishes");
-    assert!(reqwest::Client::new().post(format!("http://{addr}/hooks/s")).send().await.is_err(), "server stopped");
+    tokio::time::timeout(SECS, e.shutdown())
+        .await
+        .expect("shutdown finishes");
+    assert!(
+        reqwest::Client::new()
+            .post(format!("http://{addr}/hooks/s"))
+            .send()
+            .await
+            .is_err(),
+        "server stopped"
+    );
 }

@@ -72,13 +72,33 @@ fn a_script_error_points_into_the_script() {
 
 #[test]
 fn duplicate_flow_ids_and_webhook_paths_across_files() {
-    let a = ("a.yaml".to_string(), "id: same\nnodes:\n  h: { type: webhook, path: x }\n".to_string());
-    let b = ("b.yaml".to_string(), "id: same\nnodes:\n  h: { type: webhook, path: y }\n".to_string());
-    let c = ("c.yaml".to_string(), "id: other\nnodes:\n  h: { type: webhook, path: x }\n".to_string());
-    let err = Library::builtin().load_strs(&[a, b, c]).err().expect("refused");
+    let a = (
+        "a.yaml".to_string(),
+        "id: same\nnodes:\n  h: { type: webhook, path: x }\n".to_string(),
+    );
+    let b = (
+        "b.yaml".to_string(),
+        "id: same\nnodes:\n  h: { type: webhook, path: y }\n".to_string(),
+    );
+    let c = (
+        "c.yaml".to_string(),
+        "id: other\nnodes:\n  h: { type: webhook, path: x }\n".to_string(),
+    );
+    let err = Library::builtin()
+        .load_strs(&[a, b, c])
+        .err()
+        .expect("refused");
     let msgs: Vec<String> = err.0.iter().map(|d| d.to_string()).collect();
-    assert!(msgs.iter().any(|m| m.starts_with("b.yaml:1:5: duplicate flow id `same` (also in a.yaml)")), "{msgs:?}");
-    assert!(msgs.iter().any(|m| m.starts_with("c.yaml:") && m.contains("/hooks/x is already served")), "{msgs:?}");
+    assert!(
+        msgs.iter()
+            .any(|m| m.starts_with("b.yaml:1:5: duplicate flow id `same` (also in a.yaml)")),
+        "{msgs:?}"
+    );
+    assert!(
+        msgs.iter()
+            .any(|m| m.starts_with("c.yaml:") && m.contains("/hooks/x is already served")),
+        "{msgs:?}"
+    );
 }
 
 #[test]
@@ -93,7 +113,11 @@ fn the_example_flows_validate() {
 fn weir_validate_exits_1_with_the_errors() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.yaml");
-    std::fs::write(&bad, "nodes:\n  a:\n    type: nope\n  b:\n    type: log\n    to: [c]\n").unwrap();
+    std::fs::write(
+        &bad,
+        "nodes:\n  a:\n    type: nope\n  b:\n    type: log\n    to: [c]\n",
+    )
+    .unwrap();
     let out = std::process::Command::new(weir_testkit::weir_bin())
         .args(["validate", bad.to_str().unwrap()])
         .output()
@@ -101,11 +125,21 @@ fn weir_validate_exits_1_with_the_errors() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     let file = bad.display().to_string();
-    assert!(err.contains(&format!("{file}:3:11: node `a`: unknown node type `nope`")), "{err}");
-    assert!(err.contains(&format!("{file}:6:10: wire to a missing node `c`")), "{err}");
+    assert!(
+        err.contains(&format!("{file}:3:11: node `a`: unknown node type `nope`")),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("{file}:6:10: wire to a missing node `c`")),
+        "{err}"
+    );
     let ok = std::process::Command::new(weir_testkit::weir_bin())
         .args(["validate", concat!(env!("CARGO_MANIFEST_DIR"), "/flows")])
         .output()
         .unwrap();
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
 }

@@ -116,11 +116,21 @@ impl Flows {
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<FlowRt>> {
-        self.0.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
     }
 
     pub fn all(&self) -> Vec<Arc<FlowRt>> {
-        let mut v: Vec<_> = self.0.read().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        let mut v: Vec<_> = self
+            .0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
         v.sort_by(|a, b| a.flow.id.cmp(&b.flow.id));
         v
     }
@@ -140,7 +150,12 @@ struct Job {
 }
 
 impl Executor {
-    pub fn new(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>, cfg: ExecConfig, failpoints: Failpoints) -> Arc<Self> {
+    pub fn new(
+        queue: Arc<dyn WorkQueue>,
+        flows: Arc<Flows>,
+        cfg: ExecConfig,
+        failpoints: Failpoints,
+    ) -> Arc<Self> {
         Arc::new(Executor {
             queue,
             flows,
@@ -166,11 +181,20 @@ impl Executor {
             }
             let step = async {
                 self.queue.move_due(now_ms()).await?;
-                if last_reclaim.elapsed() >= self.cfg.reclaim_after.min(Duration::from_secs(10)).max(Duration::from_millis(200)) {
+                if last_reclaim.elapsed()
+                    >= self
+                        .cfg
+                        .reclaim_after
+                        .min(Duration::from_secs(10))
+                        .max(Duration::from_millis(200))
+                {
                     last_reclaim = tokio::time::Instant::now();
                     let n = self.queue.reclaim_stale(self.cfg.reclaim_after).await?;
                     if n > 0 {
-                        tracing::warn!(count = n, "took back items idle in flight (a stalled or dead engine)");
+                        tracing::warn!(
+                            count = n,
+                            "took back items idle in flight (a stalled or dead engine)"
+                        );
                     }
                 }
                 let free = in_flight.available_permits().min(self.cfg.claim_batch);
@@ -206,16 +230,20 @@ impl Executor {
                             tracker.spawn(async move { me.dispatch(rx, tr).await });
                             tx
                         });
-                        let _ = tx.send(Job { claimed: c, _permit: permit });
+                        let _ = tx.send(Job {
+                            claimed: c,
+                            _permit: permit,
+                        });
                     }
                 }
                 Err(e) => {
                     failures += 1;
                     // Log the first failure of a run and then every 50th, not every try.
-                    if failures == 1 || failures % 50 == 0 {
+                    if failures == 1 || failures.is_multiple_of(50) {
                         tracing::error!(error = %e, failures, "queue backend failing; backing off");
                     }
-                    let backoff = Duration::from_millis(50u64.saturating_mul(1 << failures.min(7))).min(Duration::from_secs(5));
+                    let backoff = Duration::from_millis(50u64.saturating_mul(1 << failures.min(7)))
+                        .min(Duration::from_secs(5));
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
                         _ = tokio::time::sleep(backoff) => {}
@@ -225,7 +253,10 @@ impl Executor {
         }
         drop(dispatchers);
         tracker.close();
-        if tokio::time::timeout(self.cfg.shutdown_grace, tracker.wait()).await.is_err() {
+        if tokio::time::timeout(self.cfg.shutdown_grace, tracker.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!("waves still running at the end of the shutdown grace period; they will be redelivered");
         }
     }
@@ -265,7 +296,9 @@ impl Executor {
 
 /// Backoff for try `attempt` (1-based): base·2^(attempt-1), capped, with ±20% jitter.
 pub fn backoff(cfg: &ExecConfig, attempt: u32) -> Duration {
-    let exp = cfg.retry_base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
+    let exp = cfg
+        .retry_base
+        .saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
     let d = exp.min(cfg.retry_cap);
     let jitter: f64 = rand::random_range(0.8..1.2);
     d.mul_f64(jitter)

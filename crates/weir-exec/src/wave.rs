@@ -196,10 +196,21 @@ impl Executor {
                 }
                 None => {
                     let input = msg.clone();
-                    let mut cx = NodeCx::new(&flow.id, &node.id, item, &*self.queue, &mut overlay, &mut scheduled, &mut replies);
-                    let r = match tokio::time::timeout(self.cfg.node_timeout, node.node.call(input, &mut cx))
-                        .instrument(tracing::debug_span!("node", node = %node.id, kind = %node.kind))
-                        .await
+                    let mut cx = NodeCx::new(
+                        &flow.id,
+                        &node.id,
+                        item,
+                        &*self.queue,
+                        &mut overlay,
+                        &mut scheduled,
+                        &mut replies,
+                    );
+                    let r = match tokio::time::timeout(
+                        self.cfg.node_timeout,
+                        node.node.call(input, &mut cx),
+                    )
+                    .instrument(tracing::debug_span!("node", node = %node.id, kind = %node.kind))
+                    .await
                     {
                         Ok(r) => r,
                         Err(_) => Err(NodeError::transient(format!(
@@ -212,7 +223,10 @@ impl Executor {
                         if let Err(e) = self.queue.mark_done(done_key, emit.0.clone()).await {
                             tracing::warn!(error = %e, node = %node.id, "could not record a done marker; a redelivery may repeat this effect");
                         }
-                        if self.failpoints.hit(&format!("after:{}/{}", flow.id, node.id)) {
+                        if self
+                            .failpoints
+                            .hit(&format!("after:{}/{}", flow.id, node.id))
+                        {
                             return Outcome::Abandon;
                         }
                     }
@@ -248,19 +262,40 @@ impl Executor {
     }
 
     /// A node failed on `input`: retry it at that node later, or dead-letter the input.
-    fn failure(&self, item: &WorkItem, node: &str, input: Message, e: NodeError, fx: &mut WaveEffects) {
-        let attempt = if item.node == node && item.attempt > 0 { item.attempt + 1 } else { 1 };
+    fn failure(
+        &self,
+        item: &WorkItem,
+        node: &str,
+        input: Message,
+        e: NodeError,
+        fx: &mut WaveEffects,
+    ) {
+        let attempt = if item.node == node && item.attempt > 0 {
+            item.attempt + 1
+        } else {
+            1
+        };
         let mut retry = item.follow_up(node, format!("retry:{node}"), vec![vec![input]]);
         retry.attempt = attempt;
         retry.first_enqueued_at = item.first_enqueued_at;
         let now = now_ms();
         match e {
             NodeError::Permanent(reason) => {
-                fx.dead.push((retry, format!("node `{node}` failed: {reason}")));
+                fx.dead
+                    .push((retry, format!("node `{node}` failed: {reason}")));
             }
-            NodeError::Transient { reason, retry_after } => {
+            NodeError::Transient {
+                reason,
+                retry_after,
+            } => {
                 if now - item.first_enqueued_at > self.cfg.max_age.as_millis() as i64 {
-                    fx.dead.push((retry, format!("node `{node}`: gave up after the maximum age ({:?}): {reason}", self.cfg.max_age)));
+                    fx.dead.push((
+                        retry,
+                        format!(
+                            "node `{node}`: gave up after the maximum age ({:?}): {reason}",
+                            self.cfg.max_age
+                        ),
+                    ));
                 } else {
                     let wait = retry_after.unwrap_or_else(|| backoff(&self.cfg, attempt));
                     retry.not_before = Some(now + wait.as_millis() as i64);
@@ -269,7 +304,10 @@ impl Executor {
             }
             NodeError::Unclassified(reason) => {
                 if attempt >= self.cfg.max_deliveries {
-                    fx.dead.push((retry, format!("node `{node}` failed {attempt} times: {reason}")));
+                    fx.dead.push((
+                        retry,
+                        format!("node `{node}` failed {attempt} times: {reason}"),
+                    ));
                 } else {
                     retry.not_before = Some(now + backoff(&self.cfg, attempt).as_millis() as i64);
                     fx.delayed.push(retry);
@@ -289,7 +327,10 @@ impl Executor {
         again.not_before = Some(now_ms() + backoff(&self.cfg, 1).as_millis() as i64);
         WaveEffects {
             delayed: vec![again],
-            outcome: Some(format!("wave passed its deadline of {:?}; journaled again", self.cfg.wave_deadline)),
+            outcome: Some(format!(
+                "wave passed its deadline of {:?}; journaled again",
+                self.cfg.wave_deadline
+            )),
             ..WaveEffects::ending(End::Ack)
         }
     }

@@ -145,9 +145,7 @@ impl<'de> de::Deserializer<'de> for &'de Yaml {
             YamlKind::Int(i) => v.visit_i64(*i),
             YamlKind::Float(f) => v.visit_f64(*f),
             YamlKind::Str(s, _) => v.visit_borrowed_str(s),
-            YamlKind::Seq(items) => v.visit_seq(Seq {
-                it: items.iter(),
-            }),
+            YamlKind::Seq(items) => v.visit_seq(Seq { it: items.iter() }),
             YamlKind::Map(entries) => v.visit_map(Map {
                 it: entries.iter(),
                 value: None,
@@ -215,10 +213,7 @@ impl<'de> de::Deserializer<'de> for &'de Yaml {
     ) -> Result<V::Value, DeError> {
         if name == SPANNED {
             return v
-                .visit_map(SpannedAccess {
-                    y: self,
-                    step: 0,
-                })
+                .visit_map(SpannedAccess { y: self, step: 0 })
                 .map_err(at(self.pos));
         }
         let _ = fields;

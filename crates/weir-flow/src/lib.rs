@@ -29,7 +29,11 @@ pub struct Diagnostic {
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}: {}", self.file, self.pos.line, self.pos.col, self.message)
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file, self.pos.line, self.pos.col, self.message
+        )
     }
 }
 
@@ -116,7 +120,10 @@ pub fn parse_flow(src: &str, stem: &str, report: &mut Report) -> Option<FlowDoc>
     let Some(entries) = root.as_map() else {
         report.at(
             root.pos,
-            format!("a flow is a map with `id` and `nodes`, found {}", root.type_name()),
+            format!(
+                "a flow is a map with `id` and `nodes`, found {}",
+                root.type_name()
+            ),
         );
         return None;
     };
@@ -184,20 +191,32 @@ fn valid_id(s: &str) -> bool {
 
 fn parse_nodes(v: &Yaml, report: &mut Report) -> Vec<NodeDoc> {
     let Some(entries) = v.as_map() else {
-        report.at(v.pos, format!("`nodes` is a map of node id to node, found {}", v.type_name()));
+        report.at(
+            v.pos,
+            format!(
+                "`nodes` is a map of node id to node, found {}",
+                v.type_name()
+            ),
+        );
         return Vec::new();
     };
     let mut out = Vec::new();
     for (k, body) in entries {
         let id = k.key_string();
         if !valid_id(&id) {
-            report.at(k.pos, format!("node id `{id}`: use letters, digits, `-` and `_`"));
+            report.at(
+                k.pos,
+                format!("node id `{id}`: use letters, digits, `-` and `_`"),
+            );
             continue;
         }
         let Some(fields) = body.as_map() else {
             report.at(
                 body.pos,
-                format!("node `{id}` is a map with a `type`, found {}", body.type_name()),
+                format!(
+                    "node `{id}` is a map with a `type`, found {}",
+                    body.type_name()
+                ),
             );
             continue;
         };
@@ -215,7 +234,10 @@ fn parse_nodes(v: &Yaml, report: &mut Report) -> Vec<NodeDoc> {
             .cloned()
             .collect();
         out.push(NodeDoc {
-            id: Spanned { pos: k.pos, value: id },
+            id: Spanned {
+                pos: k.pos,
+                value: id,
+            },
             kind: Spanned {
                 pos: kind.pos,
                 value: kind_s.to_string(),
@@ -257,9 +279,7 @@ fn resolve_env(y: &mut Yaml, report: &mut Report) {
             *s = out;
         }
         YamlKind::Seq(items) => items.iter_mut().for_each(|i| resolve_env(i, report)),
-        YamlKind::Map(entries) => entries
-            .iter_mut()
-            .for_each(|(_, v)| resolve_env(v, report)),
+        YamlKind::Map(entries) => entries.iter_mut().for_each(|(_, v)| resolve_env(v, report)),
         _ => {}
     }
 }
@@ -296,10 +316,7 @@ impl FlowGraph {
                             let hint = de::suggest(&w.value, &known)
                                 .map(|s| format!(", did you mean `{s}`?"))
                                 .unwrap_or_default();
-                            report.at(
-                                w.pos,
-                                format!("wire to a missing node `{}`{hint}", w.value),
-                            );
+                            report.at(w.pos, format!("wire to a missing node `{}`{hint}", w.value));
                         }
                     }
                 }
@@ -410,7 +427,10 @@ mod tests {
         };
         let mut r = Report::new("f.yaml");
         let g = FlowGraph::build(&ids, &[vec![vec![w("b", 3), w("c", 4)]], vec![]], &mut r);
-        assert_eq!(r.errors[0].to_string(), "f.yaml:4:9: wire to a missing node `c`");
+        assert_eq!(
+            r.errors[0].to_string(),
+            "f.yaml:4:9: wire to a missing node `c`"
+        );
         assert_eq!(g.targets(0, 0), vec![1]);
         assert!(g.is_leaf(1));
         assert_eq!(g.reachable(0), vec![0, 1]);

@@ -401,7 +401,11 @@ mod tests {
         let e = parse("a: 1\nb: 2\na: 3\n").unwrap_err();
         assert_eq!(e.len(), 1);
         assert_eq!(e[0].pos, Pos { line: 3, col: 1 });
-        assert!(e[0].message.contains("duplicate key `a`"), "{}", e[0].message);
+        assert!(
+            e[0].message.contains("duplicate key `a`"),
+            "{}",
+            e[0].message
+        );
     }
 
     #[test]

@@ -81,7 +81,11 @@ impl Node for Delay {
                 let now = cx.now_ms();
                 let until = cx.get(UNTIL_KEY).await?.and_then(|v| v.as_i64());
                 if until.is_some_and(|t| t > now) {
-                    tracing::debug!(flow = cx.flow, node = cx.node, "delay (keep): one is waiting, message dropped");
+                    tracing::debug!(
+                        flow = cx.flow,
+                        node = cx.node,
+                        "delay (keep): one is waiting, message dropped"
+                    );
                     return Ok(Emit::none());
                 }
                 let due = now + self.wait.as_millis() as i64;

@@ -24,7 +24,10 @@ struct Config {
 
 /// The script's view of node memory, diffed after the run into state writes.
 #[derive(Clone, Default)]
-struct ScriptState(Arc<Mutex<(BTreeMap<String, Value>, BTreeMap<String, Option<Value>>)>>);
+struct ScriptState(Arc<Mutex<Memory>>);
+
+/// (committed values as read, writes the script made: `None` deletes).
+type Memory = (BTreeMap<String, Value>, BTreeMap<String, Option<Value>>);
 
 pub struct Factory;
 
@@ -47,7 +50,9 @@ impl NodeFactory for Factory {
                 }
             })
             .register_fn("set", |s: &mut ScriptState, k: &str, v: Dynamic| {
-                let v = rhai::serde::from_dynamic::<Value>(&v).ok().filter(|v| !v.is_null());
+                let v = rhai::serde::from_dynamic::<Value>(&v)
+                    .ok()
+                    .filter(|v| !v.is_null());
                 s.0.lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .1
@@ -60,8 +65,8 @@ impl NodeFactory for Factory {
                 _ => weir_flow::Style::Plain,
             })
             .unwrap_or(weir_flow::Style::Plain);
-        let ast = script::compile(&engine, &c.script, c.script.pos, style, false)
-            .map_err(|e| vec![e])?;
+        let ast =
+            script::compile(&engine, &c.script, c.script.pos, style, false).map_err(|e| vec![e])?;
         let uses_state = c.script.contains("state.");
         Ok(Built {
             node: Arc::new(Function {

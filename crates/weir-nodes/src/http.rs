@@ -57,14 +57,24 @@ impl NodeFactory for RequestFactory {
         let c: RequestConfig = config(y)?;
         let engine = script::engine();
         let mut errors = Vec::new();
-        let url = Template::compile(&engine, &c.url, c.url.pos).map_err(|e| errors.push(e)).ok();
+        let url = Template::compile(&engine, &c.url, c.url.pos)
+            .map_err(|e| errors.push(e))
+            .ok();
         if let Some(u) = &url {
             if u.is_literal() && reqwest::Url::parse(&c.url).is_err() {
-                errors.push(ConfigError::at(c.url.pos, format!("`{}` is not a URL", c.url.value)));
+                errors.push(ConfigError::at(
+                    c.url.pos,
+                    format!("`{}` is not a URL", c.url.value),
+                ));
             }
         }
         let method = reqwest::Method::from_bytes(c.method.to_uppercase().as_bytes())
-            .map_err(|_| errors.push(ConfigError::at(c.method.pos, format!("`{}` is not an HTTP method", c.method.value))))
+            .map_err(|_| {
+                errors.push(ConfigError::at(
+                    c.method.pos,
+                    format!("`{}` is not an HTTP method", c.method.value),
+                ))
+            })
             .ok();
         let timeout = match &c.timeout {
             Some(d) => d.get().map_err(|e| errors.push(e)).ok(),
@@ -112,9 +122,10 @@ impl Node for Request {
         if self.method != reqwest::Method::GET {
             req = req.json(msg.get("payload").unwrap_or(&Value::Null));
         }
-        let resp = req.send().await.map_err(|e| {
-            NodeError::transient(format!("{} {url}: {e}", self.method))
-        })?;
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| NodeError::transient(format!("{} {url}: {e}", self.method)))?;
         let status = resp.status();
         let retry_after = resp
             .headers()
@@ -122,17 +133,26 @@ impl Node for Request {
             .and_then(|v| v.to_str().ok())
             .and_then(|s| s.parse::<u64>().ok())
             .map(Duration::from_secs);
-        let bytes = resp.bytes().await.map_err(|e| NodeError::transient(format!("{url}: reading the answer: {e}")))?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| NodeError::transient(format!("{url}: reading the answer: {e}")))?;
         let body = serde_json::from_slice::<Value>(&bytes)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
-        if status.is_server_error() || status == reqwest::StatusCode::TOO_MANY_REQUESTS || status == reqwest::StatusCode::REQUEST_TIMEOUT {
+        if status.is_server_error()
+            || status == reqwest::StatusCode::TOO_MANY_REQUESTS
+            || status == reqwest::StatusCode::REQUEST_TIMEOUT
+        {
             return Err(NodeError::Transient {
                 reason: format!("{} {url} answered {status}", self.method),
                 retry_after,
             });
         }
         if status.is_client_error() {
-            return Err(NodeError::Permanent(format!("{} {url} answered {status}: {body}", self.method)));
+            return Err(NodeError::Permanent(format!(
+                "{} {url} answered {status}: {body}",
+                self.method
+            )));
         }
         if let Some(o) = msg.as_object_mut() {
             o.insert("payload".into(), body);
@@ -168,7 +188,10 @@ impl NodeFactory for ResponseFactory {
         let c: ResponseConfig = config(y)?;
         if !(100..=599).contains(&c.status) {
             let pos = y.get("status").map(|(_, v)| v.pos).unwrap_or(y.pos);
-            return Err(vec![ConfigError::at(pos, "`status` is an HTTP status, 100 to 599")]);
+            return Err(vec![ConfigError::at(
+                pos,
+                "`status` is an HTTP status, 100 to 599",
+            )]);
         }
         Ok(Built {
             node: Arc::new(Response {

@@ -170,7 +170,9 @@ impl<'a> NodeCx<'a> {
     /// With a guard `(key, value)`, the item runs only if this node still holds `value` under
     /// `key` then (a newer timer voids it).
     pub fn schedule(&mut self, after: Duration, msg: Message, guard: Option<(String, Value)>) {
-        let mut item = self.item.follow_up(self.node, format!("delay:{}", self.node), vec![vec![msg]]);
+        let mut item =
+            self.item
+                .follow_up(self.node, format!("delay:{}", self.node), vec![vec![msg]]);
         item.not_before = Some(now_ms() + after.as_millis() as i64);
         if let Some((k, v)) = guard {
             item.guard_key = Some(k);
@@ -228,7 +230,10 @@ impl<'de> serde::Deserialize<'de> for Wires {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s: Spanned<OneOrList> = Spanned::deserialize(d)?;
         Ok(match s.value {
-            OneOrList::One(v) => Wires(vec![Spanned { pos: s.pos, value: v }]),
+            OneOrList::One(v) => Wires(vec![Spanned {
+                pos: s.pos,
+                value: v,
+            }]),
             OneOrList::Many(v) => Wires(v),
         })
     }
@@ -250,7 +255,10 @@ impl<'de> serde::Deserialize<'de> for OneOrList {
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<OneOrList, E> {
                 Ok(OneOrList::One(v.to_string()))
             }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut s: A) -> Result<OneOrList, A::Error> {
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut s: A,
+            ) -> Result<OneOrList, A::Error> {
                 let mut out = Vec::new();
                 while let Some(w) = s.next_element::<Spanned<String>>()? {
                     out.push(w);

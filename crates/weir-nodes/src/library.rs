@@ -128,7 +128,10 @@ impl Library {
                     .unwrap_or_else(|| format!(" (known: {})", kinds.join(", ")));
                 report.at(
                     n.kind.pos,
-                    format!("node `{}`: unknown node type `{}`{hint}", n.id.value, n.kind.value),
+                    format!(
+                        "node `{}`: unknown node type `{}`{hint}",
+                        n.id.value, n.kind.value
+                    ),
                 );
                 ok = false;
                 continue;
@@ -147,7 +150,11 @@ impl Library {
                         .map(|p| {
                             p.into_iter()
                                 .map(|w| Spanned {
-                                    pos: if w.pos == Pos::default() { n.id.pos } else { w.pos },
+                                    pos: if w.pos == Pos::default() {
+                                        n.id.pos
+                                    } else {
+                                        w.pos
+                                    },
                                     value: w.value,
                                 })
                                 .collect()
@@ -179,8 +186,11 @@ impl Library {
         }
         let ids: Vec<String> = nodes.iter().map(|n| n.id.clone()).collect();
         let graph = FlowGraph::build(&ids, &ports, report);
-        let index: HashMap<String, usize> =
-            ids.iter().enumerate().map(|(i, id)| (id.clone(), i)).collect();
+        let index: HashMap<String, usize> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (id.clone(), i))
+            .collect();
         let serial = (0..nodes.len())
             .map(|i| {
                 graph
@@ -217,7 +227,10 @@ impl Library {
                             .filter_map(Result::ok)
                             .map(|e| e.path())
                             .filter(|f| {
-                                matches!(f.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
+                                matches!(
+                                    f.extension().and_then(|e| e.to_str()),
+                                    Some("yaml" | "yml")
+                                )
                             })
                             .collect();
                         found.sort();

@@ -62,7 +62,10 @@ pub fn compile(
     };
     r.map_err(|e| {
         let what = if expression { "condition" } else { "script" };
-        ConfigError::at(file_pos(at, style, &e), format!("{what} does not compile: {}", e.0))
+        ConfigError::at(
+            file_pos(at, style, &e),
+            format!("{what} does not compile: {}", e.0),
+        )
     })
 }
 
@@ -76,6 +79,7 @@ pub fn from_dynamic(d: &Dynamic) -> Result<Value, NodeError> {
 }
 
 /// Turn a script failure into the node error it means for the message.
+#[allow(clippy::boxed_local)] // rhai hands its errors over boxed
 pub fn run_error(e: Box<rhai::EvalAltResult>) -> NodeError {
     use rhai::EvalAltResult as E;
     match *e {
@@ -218,8 +222,15 @@ mod tests {
     #[test]
     fn templates_render_expressions() {
         let e = engine();
-        let t = Template::compile(&e, "alerts/{{ msg.payload.room }}/{{ 1 + 1 }}", Pos::default()).unwrap();
-        let out = t.render(&e, &json!({"payload": {"room": "kitchen"}})).unwrap();
+        let t = Template::compile(
+            &e,
+            "alerts/{{ msg.payload.room }}/{{ 1 + 1 }}",
+            Pos::default(),
+        )
+        .unwrap();
+        let out = t
+            .render(&e, &json!({"payload": {"room": "kitchen"}}))
+            .unwrap();
         assert_eq!(out, "alerts/kitchen/2");
     }
 
@@ -237,6 +248,9 @@ mod tests {
         let e = engine();
         let ast = e.compile("loop { }").unwrap();
         let err = eval(&e, &ast, &json!({})).unwrap_err();
-        assert!(matches!(err, NodeError::Permanent(ref m) if m.contains("operations")), "{err:?}");
+        assert!(
+            matches!(err, NodeError::Permanent(ref m) if m.contains("operations")),
+            "{err:?}"
+        );
     }
 }

@@ -16,7 +16,7 @@ use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFacto
 #[derive(Debug, Clone)]
 pub enum Trigger {
     Webhook(WebhookSpec),
-    Cron(CronSpec),
+    Cron(Box<CronSpec>),
     Manual,
 }
 
@@ -128,26 +128,46 @@ impl NodeFactory for WebhookFactory {
         let method = c.method.to_uppercase();
         if !["POST", "PUT", "PATCH", "GET", "DELETE"].contains(&method.as_str()) {
             let pos = y.get("method").map(|(_, v)| v.pos).unwrap_or(y.pos);
-            errors.push(ConfigError::at(pos, format!("`{method}` is not a webhook method (POST, PUT, PATCH, GET, DELETE)")));
+            errors.push(ConfigError::at(
+                pos,
+                format!("`{method}` is not a webhook method (POST, PUT, PATCH, GET, DELETE)"),
+            ));
         }
         let timeout = match &c.timeout {
             Some(d) => d.get().map_err(|e| errors.push(e)).unwrap_or_default(),
             None => Duration::from_secs(30),
         };
-        let secret = |s: &Spanned<String>, errors: &mut Vec<ConfigError>| match std::env::var(&s.value) {
-            Ok(v) if !v.is_empty() => v,
-            _ => {
-                errors.push(ConfigError::at(s.pos, format!("environment variable `{}` is not set", s.value)));
-                String::new()
-            }
-        };
+        let secret =
+            |s: &Spanned<String>, errors: &mut Vec<ConfigError>| match std::env::var(&s.value) {
+                Ok(v) if !v.is_empty() => v,
+                _ => {
+                    errors.push(ConfigError::at(
+                        s.pos,
+                        format!("environment variable `{}` is not set", s.value),
+                    ));
+                    String::new()
+                }
+            };
         let auth = match &c.auth {
             None => None,
-            Some(AuthConfig { bearer_env: Some(b), hmac_env: None }) => Some(Auth::Bearer { secret: secret(b, &mut errors) }),
-            Some(AuthConfig { bearer_env: None, hmac_env: Some(h) }) => Some(Auth::Hmac { secret: secret(h, &mut errors) }),
+            Some(AuthConfig {
+                bearer_env: Some(b),
+                hmac_env: None,
+            }) => Some(Auth::Bearer {
+                secret: secret(b, &mut errors),
+            }),
+            Some(AuthConfig {
+                bearer_env: None,
+                hmac_env: Some(h),
+            }) => Some(Auth::Hmac {
+                secret: secret(h, &mut errors),
+            }),
             Some(_) => {
                 let pos = y.get("auth").map(|(_, v)| v.pos).unwrap_or(y.pos);
-                errors.push(ConfigError::at(pos, "`auth` takes exactly one of `bearer_env` or `hmac_env`"));
+                errors.push(ConfigError::at(
+                    pos,
+                    "`auth` takes exactly one of `bearer_env` or `hmac_env`",
+                ));
                 None
             }
         };
@@ -204,24 +224,37 @@ impl NodeFactory for CronFactory {
         let cron = c
             .schedule
             .parse::<croner::Cron>()
-            .map_err(|e| errors.push(ConfigError::at(c.schedule.pos, format!("bad cron expression `{}`: {e}", c.schedule.value))))
+            .map_err(|e| {
+                errors.push(ConfigError::at(
+                    c.schedule.pos,
+                    format!("bad cron expression `{}`: {e}", c.schedule.value),
+                ))
+            })
             .ok();
         let timezone = match &c.timezone {
             None => Some(chrono_tz::UTC),
             Some(tz) => tz
                 .parse::<chrono_tz::Tz>()
-                .map_err(|_| errors.push(ConfigError::at(tz.pos, format!("unknown time zone `{}` (use an IANA name such as Europe/Berlin)", tz.value))))
+                .map_err(|_| {
+                    errors.push(ConfigError::at(
+                        tz.pos,
+                        format!(
+                            "unknown time zone `{}` (use an IANA name such as Europe/Berlin)",
+                            tz.value
+                        ),
+                    ))
+                })
                 .ok(),
         };
         match (cron, timezone) {
             (Some(cron), Some(timezone)) if errors.is_empty() => Ok(Built {
-                node: Arc::new(Source(Trigger::Cron(CronSpec {
+                node: Arc::new(Source(Trigger::Cron(Box::new(CronSpec {
                     schedule: c.schedule.value.clone(),
                     cron,
                     timezone,
                     catch_up_last: c.catch_up == CatchUp::Last,
                     payload: c.payload,
-                }))),
+                })))),
                 ports: vec![c.to.0],
             }),
             _ => Err(errors),

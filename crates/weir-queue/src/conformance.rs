@@ -65,12 +65,11 @@ pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
     assert_eq!(c[0].item.id, id);
     assert_eq!(c[0].item.deliveries, 1, "deliveries bumped at claim");
     assert!(!c[0].stepped);
+    assert_eq!(q.get(id).await.unwrap().unwrap().state.name(), "in_flight");
     assert_eq!(
-        q.get(id).await.unwrap().unwrap().state.name(),
-        "in_flight"
-    );
-    assert_eq!(
-        q.commit(&c[0], WaveEffects::ending(End::Ack)).await.unwrap(),
+        q.commit(&c[0], WaveEffects::ending(End::Ack))
+            .await
+            .unwrap(),
         Committed::Done
     );
     assert!(matches!(
@@ -80,7 +79,9 @@ pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
     assert!(q.claim("a", 10, Duration::ZERO).await.unwrap().is_empty());
     // A second commit of an ended item is refused.
     assert_eq!(
-        q.commit(&c[0], WaveEffects::ending(End::Ack)).await.unwrap(),
+        q.commit(&c[0], WaveEffects::ending(End::Ack))
+            .await
+            .unwrap(),
         Committed::Conflict
     );
 }
@@ -106,10 +107,18 @@ pub async fn claims_in_journal_order(q: Q, _fp: Failpoints) {
 
 pub async fn reclaim_bumps_deliveries_and_fences_old_owner(q: Q, _fp: Failpoints) {
     q.add(vec![item("f", 1)]).await.unwrap();
-    let a = q.claim("engine-a", 1, Duration::ZERO).await.unwrap().remove(0);
+    let a = q
+        .claim("engine-a", 1, Duration::ZERO)
+        .await
+        .unwrap()
+        .remove(0);
     assert_eq!(q.reclaim_stale(Duration::from_secs(3600)).await.unwrap(), 0);
     assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 1);
-    let b = q.claim("engine-b", 1, Duration::ZERO).await.unwrap().remove(0);
+    let b = q
+        .claim("engine-b", 1, Duration::ZERO)
+        .await
+        .unwrap()
+        .remove(0);
     assert_eq!(b.item.id, a.item.id);
     assert_eq!(b.item.deliveries, 2);
     let fx = WaveEffects {
@@ -209,10 +218,17 @@ pub async fn failed_commit_leaves_nothing_and_item_is_redelivered(q: Q, fp: Fail
         }],
         ..WaveEffects::ending(End::Ack)
     };
-    assert!(q.commit(&c, fx).await.is_err(), "the failpoint fails the commit");
+    assert!(
+        q.commit(&c, fx).await.is_err(),
+        "the failpoint fails the commit"
+    );
     let s = q.stats().await.unwrap();
     assert_eq!((s.ready, s.delayed), (0, 0), "no follow-up or delayed item");
-    assert_eq!(q.read(&key).await.unwrap(), Default::default(), "no state change");
+    assert_eq!(
+        q.read(&key).await.unwrap(),
+        Default::default(),
+        "no state change"
+    );
     q.reclaim_stale(Duration::ZERO).await.unwrap();
     let again = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
     assert_eq!(again.item.id, id);
@@ -229,12 +245,18 @@ pub async fn delayed_items_wait_until_due(q: Q, _fp: Failpoints) {
     assert_eq!(q.stats().await.unwrap().delayed, 1);
     assert_eq!(q.next_due().await.unwrap(), Some(due));
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
-    assert_eq!(c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(
+        c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),
+        vec![2]
+    );
     assert_eq!(q.move_due(now_ms()).await.unwrap(), 0);
     assert_eq!(q.move_due(due).await.unwrap(), 1);
     assert_eq!(q.move_due(due).await.unwrap(), 0, "promoted once");
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
-    assert_eq!(c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(
+        c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),
+        vec![1]
+    );
     assert_eq!(q.next_due().await.unwrap(), None);
 }
 
@@ -256,11 +278,16 @@ pub async fn park_unpark_and_step(q: Q, _fp: Failpoints) {
     assert_eq!(c[0].item.id, stepped);
     assert_eq!(payload(&c[0].item), 0, "step releases the oldest");
     assert!(c[0].stepped);
-    q.commit(&c[0], WaveEffects::ending(End::Ack)).await.unwrap();
+    q.commit(&c[0], WaveEffects::ending(End::Ack))
+        .await
+        .unwrap();
     q.set_paused("f", false).await.unwrap();
     assert_eq!(q.unpark("f").await.unwrap(), 3);
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
-    assert_eq!(c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert_eq!(
+        c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
     assert!(c.iter().all(|c| !c.stepped));
     assert_eq!(q.unpark_one("f").await.unwrap(), None);
 }
@@ -313,7 +340,10 @@ pub async fn dead_letters_are_listed_replayed_and_discarded(q: Q, _fp: Failpoint
         ItemState::Finished { ref outcome, .. } if outcome == "discarded by hand"
     ));
     assert_eq!(q.stats().await.unwrap().dead, 1);
-    assert!(q.discard(new_id).await.is_err(), "only dead letters are discarded");
+    assert!(
+        q.discard(new_id).await.is_err(),
+        "only dead letters are discarded"
+    );
     assert!(q.replay(ulid::Ulid::new()).await.is_err());
 }
 
@@ -383,7 +413,10 @@ pub async fn cancel_by_hand(q: Q, _fp: Failpoints) {
     q.add(vec![c]).await.unwrap();
     let claimed = q.claim("a", 1, Duration::ZERO).await.unwrap();
     assert_eq!(claimed[0].item.id, ic);
-    assert!(q.cancel(ic).await.is_err(), "in-flight items end with their wave");
+    assert!(
+        q.cancel(ic).await.is_err(),
+        "in-flight items end with their wave"
+    );
     assert!(q.cancel(ulid::Ulid::new()).await.is_err());
 }
 

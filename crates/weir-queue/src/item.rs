@@ -85,7 +85,12 @@ impl WorkItem {
     }
 
     /// A follow-up made by the wave of `self`: inherits the origin and the run.
-    pub fn follow_up(&self, node: &str, cause: impl Into<String>, outputs: Vec<Vec<Message>>) -> Self {
+    pub fn follow_up(
+        &self,
+        node: &str,
+        cause: impl Into<String>,
+        outputs: Vec<Vec<Message>>,
+    ) -> Self {
         let now = now_ms();
         WorkItem {
             version: ITEM_VERSION,

@@ -218,14 +218,23 @@ pub trait WorkQueue: StateRead + Send + Sync {
 
     /// Claim a cron tick and journal its item in one step: only if `tick` (ms) is later than the
     /// tick stored under `key`. Several engines firing the same tick journal it once.
-    async fn add_tick(&self, key: &StateKey, tick: i64, item: WorkItem) -> Result<bool, QueueError>;
+    async fn add_tick(&self, key: &StateKey, tick: i64, item: WorkItem)
+        -> Result<bool, QueueError>;
 
     /// Up to `max` ready items, waiting up to `wait` for the first.
-    async fn claim(&self, consumer: &str, max: usize, wait: Duration)
-        -> Result<Vec<Claimed>, QueueError>;
+    async fn claim(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Claimed>, QueueError>;
 
     /// End a claimed item with its wave's effects, atomically.
-    async fn commit(&self, claimed: &Claimed, effects: WaveEffects) -> Result<Committed, QueueError>;
+    async fn commit(
+        &self,
+        claimed: &Claimed,
+        effects: WaveEffects,
+    ) -> Result<Committed, QueueError>;
 
     /// Make in-flight items idle longer than `min_idle` claimable again; returns how many.
     async fn reclaim_stale(&self, min_idle: Duration) -> Result<usize, QueueError>;

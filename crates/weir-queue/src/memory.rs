@@ -10,9 +10,9 @@ use tokio::sync::Notify;
 use ulid::Ulid;
 
 use crate::{
-    now_ms, Claimed, Committed, DoneKey, End, Failpoints, ItemState, ItemView, ListFilter,
-    Message, QueueError, Reply, StateError, StateKey, StateRead, Stats, Versioned, WaveEffects,
-    WorkItem, WorkQueue,
+    now_ms, Claimed, Committed, DoneKey, End, Failpoints, ItemState, ItemView, ListFilter, Message,
+    QueueError, Reply, StateError, StateKey, StateRead, Stats, Versioned, WaveEffects, WorkItem,
+    WorkQueue,
 };
 
 /// How many finished items are kept for `get` (the operator's "what became of my event").
@@ -295,7 +295,12 @@ impl WorkQueue for MemoryQueue {
         Ok((id, true))
     }
 
-    async fn add_tick(&self, key: &StateKey, tick: i64, item: WorkItem) -> Result<bool, QueueError> {
+    async fn add_tick(
+        &self,
+        key: &StateKey,
+        tick: i64,
+        item: WorkItem,
+    ) -> Result<bool, QueueError> {
         {
             let mut g = self.lock();
             let last = g
@@ -429,7 +434,9 @@ impl WorkQueue for MemoryQueue {
             let stale: Vec<(Ulid, u64)> = g
                 .entries
                 .iter()
-                .filter(|(_, e)| matches!(&e.st, St::InFlight { at, .. } if at.elapsed() >= min_idle))
+                .filter(
+                    |(_, e)| matches!(&e.st, St::InFlight { at, .. } if at.elapsed() >= min_idle),
+                )
                 .map(|(id, e)| (*id, e.seq))
                 .collect();
             for (id, seq) in stale {
@@ -529,9 +536,7 @@ impl WorkQueue for MemoryQueue {
         let ids: Vec<Ulid> = g
             .entries
             .values()
-            .filter(|e| {
-                e.item.flow == flow && matches!(e.st, St::Ready | St::Delayed | St::Parked)
-            })
+            .filter(|e| e.item.flow == flow && matches!(e.st, St::Ready | St::Delayed | St::Parked))
             .map(|e| e.item.id)
             .collect();
         let now = now_ms();
@@ -658,7 +663,9 @@ impl WorkQueue for MemoryQueue {
                 return Err(QueueError::NotFound(id));
             };
             if !matches!(e.st, St::Dead { .. }) {
-                return Err(QueueError::Conflict(format!("item {id} is not a dead letter")));
+                return Err(QueueError::Conflict(format!(
+                    "item {id} is not a dead letter"
+                )));
             }
             let item = replayed(&e.item);
             let new_id = item.id;
@@ -679,7 +686,9 @@ impl WorkQueue for MemoryQueue {
                 g.finish(id, "discarded by hand".into(), now_ms());
                 Ok(())
             }
-            Some(_) => Err(QueueError::Conflict(format!("item {id} is not a dead letter"))),
+            Some(_) => Err(QueueError::Conflict(format!(
+                "item {id} is not a dead letter"
+            ))),
         }
     }
 }

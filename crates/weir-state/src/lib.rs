@@ -54,8 +54,11 @@ pub struct StateError(pub String);
 pub trait StateRead: Send + Sync {
     async fn read(&self, key: &StateKey) -> Result<Versioned, StateError>;
     /// Every key of one node's memory.
-    async fn read_node(&self, flow: &str, node: &str)
-        -> Result<Vec<(String, Versioned)>, StateError>;
+    async fn read_node(
+        &self,
+        flow: &str,
+        node: &str,
+    ) -> Result<Vec<(String, Versioned)>, StateError>;
 }
 
 /// One wave's view of state: committed values as first read, plus its own writes.
@@ -193,7 +196,9 @@ mod tests {
         )])));
         let mut o = Overlay::new();
         assert_eq!(o.get(&store, &k).await.unwrap(), Some(Value::from("old")));
-        o.set(&store, k.clone(), Some(Value::from("new"))).await.unwrap();
+        o.set(&store, k.clone(), Some(Value::from("new")))
+            .await
+            .unwrap();
         assert_eq!(o.get(&store, &k).await.unwrap(), Some(Value::from("new")));
         let fresh = StateKey::new("f", "n", "other");
         o.set(&store, fresh.clone(), None).await.unwrap();

@@ -28,7 +28,7 @@ pub fn spawn_all(
                     queue.clone(),
                     f.flow.id.clone(),
                     node.to_string(),
-                    spec.clone(),
+                    (**spec).clone(),
                     shutdown.clone(),
                 );
                 tracker.spawn(async move { run(q, flow, node, spec, stop).await });
@@ -50,12 +50,23 @@ fn tick_item(flow: &str, node: &str, spec: &CronSpec, tick: chrono::DateTime<Utc
     )
 }
 
-async fn journal(q: &dyn WorkQueue, flow: &str, node: &str, spec: &CronSpec, tick: chrono::DateTime<Utc>, stop: &CancellationToken) {
+async fn journal(
+    q: &dyn WorkQueue,
+    flow: &str,
+    node: &str,
+    spec: &CronSpec,
+    tick: chrono::DateTime<Utc>,
+    stop: &CancellationToken,
+) {
     let key = StateKey::new(flow, node, LAST_TICK);
     let mut delay = Duration::from_millis(100);
     loop {
         match q
-            .add_tick(&key, tick.timestamp_millis(), tick_item(flow, node, spec, tick))
+            .add_tick(
+                &key,
+                tick.timestamp_millis(),
+                tick_item(flow, node, spec, tick),
+            )
             .await
         {
             Ok(_) => return,
@@ -71,7 +82,13 @@ async fn journal(q: &dyn WorkQueue, flow: &str, node: &str, spec: &CronSpec, tic
     }
 }
 
-async fn run(q: Arc<dyn WorkQueue>, flow: String, node: String, spec: CronSpec, stop: CancellationToken) {
+async fn run(
+    q: Arc<dyn WorkQueue>,
+    flow: String,
+    node: String,
+    spec: CronSpec,
+    stop: CancellationToken,
+) {
     let tz = spec.timezone;
     if spec.catch_up_last {
         let key = StateKey::new(&flow, &node, LAST_TICK);
@@ -105,7 +122,10 @@ async fn run(q: Arc<dyn WorkQueue>, flow: String, node: String, spec: CronSpec, 
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(wait) => {}
         }
-        let tick = Utc.timestamp_millis_opt(next.timestamp_millis()).single().unwrap_or_else(Utc::now);
+        let tick = Utc
+            .timestamp_millis_opt(next.timestamp_millis())
+            .single()
+            .unwrap_or_else(Utc::now);
         journal(&*q, &flow, &node, &spec, tick, &stop).await;
     }
 }

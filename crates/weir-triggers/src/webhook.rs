@@ -85,7 +85,10 @@ async fn handle(
 ) -> Response {
     let path = path.trim_matches('/').to_string();
     let Some(hooks) = s.routes.get(&path) else {
-        return error(StatusCode::NOT_FOUND, format!("no webhook at /hooks/{path}"));
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("no webhook at /hooks/{path}"),
+        );
     };
     let Some(hook) = hooks.iter().find(|h| h.spec.method == method.as_str()) else {
         let allowed: Vec<&str> = hooks.iter().map(|h| h.spec.method.as_str()).collect();
@@ -95,7 +98,10 @@ async fn handle(
         );
     };
     if !s.intake.is_open() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down; try again shortly");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting down; try again shortly",
+        );
     }
     let bytes = match to_bytes(body, hook.spec.max_body).await {
         Ok(b) => b,
@@ -224,9 +230,8 @@ fn decode(headers: &HeaderMap, bytes: &[u8]) -> Result<Value, Response> {
         .to_ascii_lowercase();
     let is_json = ct.starts_with("application/json") || ct.contains("+json");
     if is_json {
-        return serde_json::from_slice(bytes).map_err(|e| {
-            error(StatusCode::BAD_REQUEST, format!("malformed JSON body: {e}"))
-        });
+        return serde_json::from_slice(bytes)
+            .map_err(|e| error(StatusCode::BAD_REQUEST, format!("malformed JSON body: {e}")));
     }
     match std::str::from_utf8(bytes) {
         Ok(s) => Ok(Value::String(s.to_string())),

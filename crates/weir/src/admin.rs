@@ -48,6 +48,7 @@ fn bad(msg: String) -> Response {
     (StatusCode::BAD_REQUEST, Json(json!({ "error": msg }))).into_response()
 }
 
+#[allow(clippy::result_large_err)] // the error is the answer itself
 fn parse_id(id: &str) -> Result<Ulid, Response> {
     Ulid::from_string(id).map_err(|_| bad(format!("`{id}` is not an item id")))
 }
@@ -136,7 +137,9 @@ async fn replay(State(a): State<Admin>, Path(id): Path<String>) -> Response {
         Err(r) => return r,
     };
     match a.queue.replay(id).await {
-        Ok(new_id) => Json(json!({ "id": new_id.to_string(), "replayed": id.to_string() })).into_response(),
+        Ok(new_id) => {
+            Json(json!({ "id": new_id.to_string(), "replayed": id.to_string() })).into_response()
+        }
         Err(e) => err(e),
     }
 }
@@ -160,12 +163,23 @@ async fn flows_ls(State(a): State<Admin>) -> Response {
     Json(out).into_response()
 }
 
-async fn flow_action(State(a): State<Admin>, Path((id, action)): Path<(String, String)>) -> Response {
+async fn flow_action(
+    State(a): State<Admin>,
+    Path((id, action)): Path<(String, String)>,
+) -> Response {
     if a.flows.get(&id).is_none() {
-        return (StatusCode::NOT_FOUND, Json(json!({ "error": format!("no flow `{id}`") }))).into_response();
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({ "error": format!("no flow `{id}`") })),
+        )
+            .into_response();
     }
     let r = match action.as_str() {
-        "pause" => a.queue.set_paused(&id, true).await.map(|_| json!({ "flow": id, "paused": true })),
+        "pause" => a
+            .queue
+            .set_paused(&id, true)
+            .await
+            .map(|_| json!({ "flow": id, "paused": true })),
         "resume" => match a.queue.set_paused(&id, false).await {
             Ok(()) => a
                 .queue
@@ -174,10 +188,16 @@ async fn flow_action(State(a): State<Admin>, Path((id, action)): Path<(String, S
                 .map(|n| json!({ "flow": id, "paused": false, "released": n })),
             Err(e) => Err(e),
         },
-        "step" => a.queue.unpark_one(&id).await.map(|stepped| {
-            json!({ "flow": id, "stepped": stepped.map(|s| s.to_string()) })
-        }),
-        other => return bad(format!("unknown flow action `{other}` (pause, resume, step)")),
+        "step" => a
+            .queue
+            .unpark_one(&id)
+            .await
+            .map(|stepped| json!({ "flow": id, "stepped": stepped.map(|s| s.to_string()) })),
+        other => {
+            return bad(format!(
+                "unknown flow action `{other}` (pause, resume, step)"
+            ))
+        }
     };
     match r {
         Ok(v) => Json(v).into_response(),

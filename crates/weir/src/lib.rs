@@ -29,7 +29,7 @@ use weir_exec::{ExecConfig, Executor, Flows};
 use weir_triggers::webhook::Intake;
 
 pub use weir_exec;
-pub use weir_flow::{Diagnostic, Diagnostics};
+pub use weir_flow::{self, Diagnostic, Diagnostics};
 pub use weir_nodes::{
     config, Built, ConfigError, Emit, Library, LoadedFlow, Node, NodeCx, NodeError, NodeFactory,
     Wires,

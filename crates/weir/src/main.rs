@@ -9,7 +9,11 @@ use clap::{Parser, Subcommand, ValueEnum};
 use weir::{Engine, Library};
 
 #[derive(Parser)]
-#[command(name = "weir", version, about = "A flow engine that never loses an event")]
+#[command(
+    name = "weir",
+    version,
+    about = "A flow engine that never loses an event"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -49,14 +53,24 @@ enum Cmd {
         #[command(subcommand)]
         cmd: QueueCmd,
         /// The engine's admin address.
-        #[arg(long, env = "WEIR_URL", default_value = "http://127.0.0.1:8080", global = true)]
+        #[arg(
+            long,
+            env = "WEIR_URL",
+            default_value = "http://127.0.0.1:8080",
+            global = true
+        )]
         url: String,
     },
     /// Pause, resume or step the flows of a running engine.
     Flow {
         #[command(subcommand)]
         cmd: FlowCmd,
-        #[arg(long, env = "WEIR_URL", default_value = "http://127.0.0.1:8080", global = true)]
+        #[arg(
+            long,
+            env = "WEIR_URL",
+            default_value = "http://127.0.0.1:8080",
+            global = true
+        )]
         url: String,
     },
 }

@@ -1,0 +1,88 @@
+//! The `weir` binary as a user runs it.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
+    let port = free_port();
+    let mut child = Command::new(weir_testkit::weir_bin())
+        .args([
+            "run",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/flows"),
+            "--http",
+            &format!("127.0.0.1:{port}"),
+            "--grace",
+            "5",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while reqwest::get(format!("{base}/healthz")).await.is_err() {
+        assert!(Instant::now() < deadline, "engine did not come up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = reqwest::Client::new()
+        .post(format!("{base}/hooks/echo"))
+        .json(&serde_json::json!({"hi": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["echo"], serde_json::json!({"hi": 1}));
+    let out = Command::new(weir_testkit::weir_bin())
+        .args(["queue", "stats", "--url", &base])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"durable\": false"));
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert_eq!(status.code(), Some(0), "clean exit on SIGTERM");
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("weir did not exit after SIGTERM");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[test]
+fn weir_graph_prints_dot_and_mermaid() {
+    let f = concat!(env!("CARGO_MANIFEST_DIR"), "/flows/orders.yaml");
+    let dot = Command::new(weir_testkit::weir_bin())
+        .args(["graph", f])
+        .output()
+        .unwrap();
+    let dot = String::from_utf8_lossy(&dot.stdout);
+    assert!(dot.starts_with("digraph \"orders\""), "{dot}");
+    assert!(
+        dot.contains("\"size\" -> \"log_small\" [label=\"1\"]"),
+        "{dot}"
+    );
+    let mm = Command::new(weir_testkit::weir_bin())
+        .args(["graph", f, "--format", "mermaid"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&mm.stdout).contains("tag_big -->|0| settle"));
+}
