@@ -91,24 +91,11 @@ impl WorkItem {
         cause: impl Into<String>,
         outputs: Vec<Vec<Message>>,
     ) -> Self {
-        let now = now_ms();
         WorkItem {
-            version: ITEM_VERSION,
-            id: Ulid::new(),
-            kind: ItemKind::Cascade,
-            flow: self.flow.clone(),
-            node: node.to_string(),
             outputs,
-            cause: cause.into(),
-            not_before: None,
-            guard_key: None,
-            guard_value: None,
-            deliveries: 0,
-            attempt: 0,
             origin_id: Some(self.root_id()),
-            enqueued_at: now,
-            first_enqueued_at: now,
             run_id: self.run_id.clone(),
+            ..WorkItem::cascade(&self.flow, node, cause, Vec::new())
         }
     }
 
