@@ -104,6 +104,25 @@ impl WorkItem {
         self.origin_id.unwrap_or(self.id)
     }
 
+    /// The new item a replayed dead letter becomes: a fresh id and delivery count, the same
+    /// work.
+    pub fn replayed(&self) -> WorkItem {
+        let now = now_ms();
+        WorkItem {
+            id: Ulid::new(),
+            cause: format!("replay:{}", self.id),
+            deliveries: 0,
+            attempt: self.attempt.min(1),
+            not_before: None,
+            guard_key: None,
+            guard_value: None,
+            origin_id: Some(self.root_id()),
+            enqueued_at: now,
+            first_enqueued_at: now,
+            ..self.clone()
+        }
+    }
+
     pub fn is_due(&self, now: i64) -> bool {
         self.not_before.is_none_or(|t| t <= now)
     }

@@ -9,6 +9,8 @@
 pub mod failpoint;
 mod item;
 pub mod memory;
+mod replies;
+pub mod sqlite;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -21,6 +23,7 @@ use ulid::Ulid;
 pub use failpoint::Failpoints;
 pub use item::{now_ms, ItemKind, Message, WorkItem, ITEM_VERSION};
 pub use memory::MemoryQueue;
+pub use sqlite::SqliteQueue;
 pub use weir_state::{StateError, StateKey, StateRead, StateWrite, Versioned};
 
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +40,9 @@ pub enum QueueError {
     /// The operation does not apply to the item in its current state.
     #[error("{0}")]
     Conflict(String),
+    /// The backend cannot be opened as configured (a locked or newer file, a bad URL).
+    #[error("cannot open the queue: {0}")]
+    Open(String),
     /// Something stored cannot be decoded.
     #[error("corrupt record: {0}")]
     Corrupt(String),

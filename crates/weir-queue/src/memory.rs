@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use ulid::Ulid;
 
+use crate::replies::Replies;
 use crate::{
     now_ms, Claimed, Committed, DoneKey, End, Failpoints, ItemState, ItemView, ListFilter, Message,
     QueueError, Reply, StateError, StateKey, StateRead, Stats, Versioned, WaveEffects, WorkItem,
@@ -17,7 +18,6 @@ use crate::{
 
 /// How many finished items are kept for `get` (the operator's "what became of my event").
 const FINISHED_KEPT: usize = 10_000;
-const REPLIES_KEPT: usize = 10_000;
 
 #[derive(Debug)]
 enum St {
@@ -62,7 +62,6 @@ struct Inner {
     permits: HashSet<Ulid>,
     done: HashMap<DoneKey, Vec<Vec<Message>>>,
     idempotency: HashMap<String, Ulid>,
-    replies: BTreeMap<Ulid, Reply>,
 }
 
 impl Inner {
@@ -201,7 +200,7 @@ impl Inner {
 pub struct MemoryQueue {
     inner: Mutex<Inner>,
     ready: Notify,
-    replies: Notify,
+    replies: Replies,
     max_ready: usize,
     failpoints: Failpoints,
 }
@@ -223,7 +222,7 @@ impl MemoryQueue {
         MemoryQueue {
             inner: Mutex::new(Inner::default()),
             ready: Notify::new(),
-            replies: Notify::new(),
+            replies: Replies::default(),
             max_ready,
             failpoints,
         }
@@ -556,30 +555,12 @@ impl WorkQueue for MemoryQueue {
     }
 
     async fn post_reply(&self, id: Ulid, reply: Reply) -> Result<(), QueueError> {
-        {
-            let mut g = self.lock();
-            g.replies.insert(id, reply);
-            while g.replies.len() > REPLIES_KEPT {
-                g.replies.pop_first();
-            }
-        }
-        self.replies.notify_waiters();
+        self.replies.post(id, reply);
         Ok(())
     }
 
     async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            let notified = self.replies.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(r) = self.lock().replies.remove(&id) {
-                return Ok(Some(r));
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Ok(None);
-            }
-        }
+        Ok(self.replies.wait(id, wait).await)
     }
 
     async fn stats(&self) -> Result<Stats, QueueError> {
@@ -667,7 +648,7 @@ impl WorkQueue for MemoryQueue {
                     "item {id} is not a dead letter"
                 )));
             }
-            let item = replayed(&e.item);
+            let item = e.item.replayed();
             let new_id = item.id;
             let now = now_ms();
             g.finish(id, format!("replayed as {new_id}"), now);
@@ -691,21 +672,4 @@ impl WorkQueue for MemoryQueue {
             ))),
         }
     }
-}
-
-/// The new item a replayed dead letter becomes: a fresh id and delivery count, the same work.
-pub fn replayed(dead: &WorkItem) -> WorkItem {
-    let now = now_ms();
-    let mut item = dead.clone();
-    item.id = Ulid::new();
-    item.cause = format!("replay:{}", dead.id);
-    item.deliveries = 0;
-    item.attempt = item.attempt.min(1);
-    item.not_before = None;
-    item.guard_key = None;
-    item.guard_value = None;
-    item.origin_id = Some(dead.root_id());
-    item.enqueued_at = now;
-    item.first_enqueued_at = now;
-    item
 }

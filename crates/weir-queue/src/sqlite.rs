@@ -1,0 +1,1133 @@
+//! The embedded default: one SQLite file, durable across kill -9 with no server at all.
+//!
+//! - **One writer.** A thread owns the writing connection. Every change (add, claim, commit,
+//!   park…) is a job sent to it; it takes whatever jobs are waiting, runs them in one
+//!   transaction (each inside its own savepoint, so one job's error undoes that job alone),
+//!   commits with one fsync (`synchronous=FULL`, WAL), and only then answers every member.
+//!   It never waits on a timer to fill a batch: a lone job commits at once. A failed COMMIT
+//!   answers every member with an error, and nothing of the batch is kept.
+//! - **Readers** (stats, listings, state reads, done markers) use their own connection: WAL
+//!   lets them read the last commit while the writer works.
+//! - **One engine per file.** `open` takes an exclusive lock on `PATH.lock`; a second engine
+//!   on the same file refuses to start. Holding the lock also proves that items left in
+//!   flight by an earlier process belong to nobody alive, so they are made ready at once,
+//!   with their delivery counts (bumped durably at each claim) kept.
+//! - **Schema version** in `PRAGMA user_version`, migrated forward at open; a file written by
+//!   a newer weir is refused rather than misread.
+
+use std::any::Any;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use rusqlite::{params, Connection, OptionalExtension, Row};
+use tokio::sync::{oneshot, Notify};
+use ulid::Ulid;
+
+use crate::replies::Replies;
+use crate::{
+    now_ms, Claimed, Committed, DoneKey, End, Failpoints, ItemState, ItemView, ListFilter, Message,
+    QueueError, Reply, StateError, StateKey, StateRead, Stats, Versioned, WaveEffects, WorkItem,
+    WorkQueue,
+};
+
+/// Each step brings the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[
+    // 1: items, node state, pauses, done markers, idempotency keys.
+    "CREATE TABLE items (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT, -- never reused, even after deletes
+        id TEXT NOT NULL UNIQUE,               -- the item's ULID
+        flow TEXT NOT NULL,
+        st TEXT NOT NULL,                      -- waiting|in_flight|delayed|parked|dead|finished
+        ord INTEGER,                           -- place in the ready order
+        due INTEGER,                           -- delayed: not before (ms)
+        deliveries INTEGER NOT NULL DEFAULT 0,
+        lease INTEGER NOT NULL DEFAULT 0,
+        consumer TEXT,
+        since INTEGER,
+        stepped INTEGER NOT NULL DEFAULT 0,
+        reason TEXT,                           -- dead: why; finished: the outcome
+        at INTEGER,                            -- when it died or finished
+        enqueued_at INTEGER NOT NULL,
+        body TEXT NOT NULL                     -- the WorkItem as JSON
+    );
+    CREATE INDEX items_order ON items (st, ord);
+    CREATE INDEX items_at ON items (st, at);
+    CREATE INDEX items_flow ON items (flow, st, ord);
+    CREATE INDEX items_due ON items (due) WHERE st = 'delayed';
+    CREATE TABLE state (
+        flow TEXT NOT NULL, node TEXT NOT NULL, key TEXT NOT NULL,
+        value TEXT,                            -- JSON; NULL once deleted (the version stays)
+        version INTEGER NOT NULL,
+        PRIMARY KEY (flow, node, key)
+    ) WITHOUT ROWID;
+    CREATE TABLE paused (flow TEXT PRIMARY KEY) WITHOUT ROWID;
+    CREATE TABLE done (
+        item TEXT NOT NULL, node TEXT NOT NULL, position INTEGER NOT NULL,
+        outputs TEXT NOT NULL,
+        PRIMARY KEY (item, node, position)
+    ) WITHOUT ROWID;
+    CREATE TABLE idempotency (key TEXT PRIMARY KEY, id TEXT NOT NULL, at INTEGER NOT NULL) WITHOUT ROWID;",
+];
+
+/// The schema this build writes.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// Finished items kept for `get` (the operator's "what became of my event").
+const FINISHED_KEPT: i64 = 10_000;
+/// Idempotency keys are remembered this long.
+const IDEMPOTENCY_KEPT_MS: i64 = 24 * 3600 * 1000;
+/// Jobs in one transaction at most: bounds the latency of the first member.
+const MAX_BATCH: usize = 1024;
+/// Batches between two prunes of finished items and old idempotency keys.
+const PRUNE_EVERY: u64 = 512;
+
+const ITEM_COLS: &str = "body, deliveries, due, st, consumer, since, reason, at";
+
+impl From<rusqlite::Error> for QueueError {
+    fn from(e: rusqlite::Error) -> Self {
+        QueueError::Unavailable(format!("sqlite: {e}"))
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Result<String, QueueError> {
+    serde_json::to_string(v).map_err(|e| QueueError::Corrupt(e.to_string()))
+}
+
+fn unjson<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, QueueError> {
+    serde_json::from_str(s).map_err(|e| QueueError::Corrupt(e.to_string()))
+}
+
+/// What the writer keeps between jobs. Counters only move forward, so a rolled-back job
+/// leaves at worst a gap.
+struct Writer {
+    /// The last place handed out in the ready order.
+    ord: i64,
+    /// The last lease handed out.
+    lease: u64,
+    /// Items ready now (kept here so `add` can check the bound without counting rows).
+    ready: i64,
+    /// A job made items ready: wake claimers once the batch is durable.
+    woke: bool,
+    failpoints: Failpoints,
+}
+
+type Answer = Result<Box<dyn Any + Send>, QueueError>;
+type Run = Box<dyn FnOnce(&Connection, &mut Writer) -> Answer + Send>;
+
+struct Job {
+    run: Run,
+    reply: oneshot::Sender<Answer>,
+}
+
+/// The SQLite queue. `SqliteQueue::open("weir-data/queue.db", Failpoints::new())`.
+pub struct SqliteQueue {
+    jobs: mpsc::Sender<Job>,
+    reader: Arc<Mutex<Connection>>,
+    ready: Arc<Notify>,
+    replies: Replies,
+    max_ready: i64,
+    path: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl SqliteQueue {
+    /// Open (or create) the queue at `path`, taking its lock.
+    pub fn open(path: impl AsRef<Path>, failpoints: Failpoints) -> Result<Self, QueueError> {
+        Self::open_with(path.as_ref(), 100_000, failpoints, None)
+    }
+
+    /// A queue in a temporary directory that is removed with it (tests, benchmarks).
+    pub fn temporary(failpoints: Failpoints) -> Result<Self, QueueError> {
+        let dir = tempfile::tempdir().map_err(|e| QueueError::Open(e.to_string()))?;
+        let path = dir.path().join("queue.db");
+        Self::open_with(&path, 100_000, failpoints, Some(dir))
+    }
+
+    /// `max_ready`: past this many ready items `add` answers `Full`.
+    pub fn open_with_limit(
+        path: impl AsRef<Path>,
+        max_ready: usize,
+        failpoints: Failpoints,
+    ) -> Result<Self, QueueError> {
+        Self::open_with(path.as_ref(), max_ready, failpoints, None)
+    }
+
+    fn open_with(
+        path: &Path,
+        max_ready: usize,
+        failpoints: Failpoints,
+        tmp: Option<tempfile::TempDir>,
+    ) -> Result<Self, QueueError> {
+        let shown = path.display();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| QueueError::Open(format!("cannot create {}: {e}", dir.display())))?;
+        }
+        let lock_path = PathBuf::from(format!("{shown}.lock"));
+        let lock = File::create(&lock_path)
+            .map_err(|e| QueueError::Open(format!("cannot create {}: {e}", lock_path.display())))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(QueueError::Open(format!(
+                    "{shown} is in use by another weir engine (it holds {}); \
+                     one engine per queue file, or use the redis backend to share work",
+                    lock_path.display()
+                )))
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(QueueError::Open(format!(
+                    "cannot lock {}: {e}",
+                    lock_path.display()
+                )))
+            }
+        }
+        let open_err = |e: rusqlite::Error| QueueError::Open(format!("{shown}: {e}"));
+        let mut conn = Connection::open(path).map_err(open_err)?;
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .map_err(open_err)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(QueueError::Open(format!(
+                "{shown}: the file system does not allow WAL mode (got `{mode}`)"
+            )));
+        }
+        conn.execute_batch("PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000;")
+            .map_err(open_err)?;
+        migrate(&mut conn).map_err(|e| match e {
+            QueueError::Unavailable(m) | QueueError::Corrupt(m) => {
+                QueueError::Open(format!("{shown}: {m}"))
+            }
+            other => other,
+        })?;
+        // We hold the lock: whatever is in flight was left by a process that is gone.
+        let orphans = conn
+            .execute(
+                "UPDATE items SET st = 'waiting', consumer = NULL WHERE st = 'in_flight'",
+                [],
+            )
+            .map_err(open_err)?;
+        if orphans > 0 {
+            tracing::info!(
+                count = orphans,
+                "items left in flight by the previous run are ready again"
+            );
+        }
+        let (ord, lease, ready): (i64, i64, i64) = conn
+            .query_row(
+                "SELECT coalesce(max(ord), 0), coalesce(max(lease), 0),
+                        (SELECT count(*) FROM items WHERE st = 'waiting') FROM items",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .map_err(open_err)?;
+        let reader = Connection::open(path).map_err(open_err)?;
+        reader
+            .execute_batch("PRAGMA query_only=1; PRAGMA busy_timeout=5000;")
+            .map_err(open_err)?;
+        let ready_notify = Arc::new(Notify::new());
+        let (tx, rx) = mpsc::channel();
+        let writer = Writer {
+            ord,
+            lease: lease as u64,
+            ready,
+            woke: false,
+            failpoints,
+        };
+        let notify = ready_notify.clone();
+        std::thread::Builder::new()
+            .name("weir-sqlite-writer".into())
+            .spawn(move || {
+                write_loop(conn, rx, writer, &notify);
+                // The lock goes with the writer: released only once its connection is closed.
+                drop(lock);
+            })
+            .map_err(|e| QueueError::Open(format!("cannot start the writer thread: {e}")))?;
+        Ok(SqliteQueue {
+            jobs: tx,
+            reader: Arc::new(Mutex::new(reader)),
+            ready: ready_notify,
+            replies: Replies::default(),
+            max_ready: max_ready as i64,
+            path: path.to_path_buf(),
+            _tmp: tmp,
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Run `f` on the writer, in the next batch; the answer comes once that batch is durable.
+    async fn write<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection, &mut Writer) -> Result<R, QueueError> + Send + 'static,
+    ) -> Result<R, QueueError> {
+        let (reply, rx) = oneshot::channel();
+        let run: Run = Box::new(move |c, w| f(c, w).map(|r| Box::new(r) as Box<dyn Any + Send>));
+        self.jobs
+            .send(Job { run, reply })
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
+        let answer = rx
+            .await
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))??;
+        answer
+            .downcast::<R>()
+            .map(|b| *b)
+            .map_err(|_| QueueError::Corrupt("the writer answered with another type".into()))
+    }
+
+    /// Run `f` on the reading connection, off the async threads.
+    async fn read_with<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<R, QueueError> + Send + 'static,
+    ) -> Result<R, QueueError> {
+        let reader = self.reader.clone();
+        tokio::task::spawn_blocking(move || {
+            let c = reader.lock().unwrap_or_else(|p| p.into_inner());
+            f(&c)
+        })
+        .await
+        .map_err(|e| QueueError::Unavailable(format!("reader task failed: {e}")))?
+    }
+}
+
+fn migrate(conn: &mut Connection) -> Result<(), QueueError> {
+    let have: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    if have > SCHEMA_VERSION {
+        return Err(QueueError::Open(format!(
+            "the queue was written by a newer weir (schema {have}; this build knows up to \
+             {SCHEMA_VERSION}); upgrade weir or restore a backup"
+        )));
+    }
+    for (i, step) in MIGRATIONS.iter().enumerate().skip(have as usize) {
+        let tx = conn.transaction()?;
+        tx.execute_batch(step)?;
+        tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+        tx.commit()?;
+        tracing::debug!(version = i + 1, "queue schema migrated");
+    }
+    Ok(())
+}
+
+fn write_loop(conn: Connection, rx: mpsc::Receiver<Job>, mut w: Writer, ready: &Notify) {
+    let mut batches: u64 = 0;
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(j) => batch.push(j),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+            let e = QueueError::from(e).to_string();
+            for j in batch {
+                let _ = j.reply.send(Err(QueueError::Unavailable(e.clone())));
+            }
+            continue;
+        }
+        let mut answers = Vec::with_capacity(batch.len());
+        let mut undone = false;
+        for j in batch {
+            let answer = match conn.execute_batch("SAVEPOINT job") {
+                Err(e) => Err(QueueError::from(e)),
+                Ok(()) => {
+                    let a = (j.run)(&conn, &mut w);
+                    let end = if a.is_ok() {
+                        "RELEASE job"
+                    } else {
+                        undone = true;
+                        "ROLLBACK TO job; RELEASE job"
+                    };
+                    match conn.execute_batch(end) {
+                        Ok(()) => a,
+                        Err(e) => Err(QueueError::from(e)),
+                    }
+                }
+            };
+            answers.push((j.reply, answer));
+        }
+        let committed = if w.failpoints.hit("sqlite-batch") {
+            Err(QueueError::Unavailable(
+                "failpoint `sqlite-batch` fired".into(),
+            ))
+        } else {
+            conn.execute_batch("COMMIT").map_err(QueueError::from)
+        };
+        match committed {
+            Ok(()) => {
+                for (reply, a) in answers {
+                    let _ = reply.send(a);
+                }
+                if w.woke {
+                    ready.notify_waiters();
+                }
+            }
+            Err(e) => {
+                let _ = conn.execute_batch("ROLLBACK");
+                undone = true;
+                tracing::error!(error = %e, members = answers.len(), "queue commit failed; every member of the batch is told");
+                for (reply, _) in answers {
+                    let _ = reply.send(Err(QueueError::Unavailable(e.to_string())));
+                }
+            }
+        }
+        w.woke = false;
+        if undone {
+            // A job or the batch was rolled back after moving the ready count: count again.
+            if let Ok(n) =
+                conn.query_row("SELECT count(*) FROM items WHERE st = 'waiting'", [], |r| {
+                    r.get(0)
+                })
+            {
+                w.ready = n;
+            }
+        }
+        batches += 1;
+        if batches.is_multiple_of(PRUNE_EVERY) {
+            if let Err(e) = prune(&conn) {
+                tracing::warn!(error = %e, "could not prune finished items");
+            }
+        }
+    }
+}
+
+/// Drop finished items past the newest `FINISHED_KEPT`, and idempotency keys past their day.
+fn prune(conn: &Connection) -> Result<(), rusqlite::Error> {
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let r = (|| {
+        let n = conn.execute(
+            "DELETE FROM items WHERE st = 'finished' AND at < (
+                SELECT at FROM items WHERE st = 'finished' ORDER BY at DESC LIMIT 1 OFFSET ?1)",
+            [FINISHED_KEPT],
+        )?;
+        conn.execute(
+            "DELETE FROM idempotency WHERE at < ?1",
+            [now_ms() - IDEMPOTENCY_KEPT_MS],
+        )?;
+        Ok::<_, rusqlite::Error>(n)
+    })();
+    match r {
+        Ok(n) => {
+            conn.execute_batch("COMMIT")?;
+            if n > 0 {
+                tracing::debug!(count = n, "pruned finished items");
+            }
+            Ok(())
+        }
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e)
+        }
+    }
+}
+
+// ---- the writer's operations: plain functions over a connection inside a transaction ----
+
+fn insert(c: &Connection, w: &mut Writer, mut item: WorkItem, now: i64) -> Result<(), QueueError> {
+    let (st, due, ord) = match item.not_before {
+        Some(t) if t > now => ("delayed", Some(t), None),
+        _ => {
+            item.not_before = None;
+            w.ord += 1;
+            ("waiting", None, Some(w.ord))
+        }
+    };
+    // An id seen before is the same item added again (a retried add): keep the first.
+    let n = c
+        .prepare_cached(
+            "INSERT OR IGNORE INTO items (id, flow, st, ord, due, deliveries, enqueued_at, body)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )?
+        .execute(params![
+            item.id.to_string(),
+            item.flow,
+            st,
+            ord,
+            due,
+            item.deliveries,
+            item.enqueued_at,
+            json(&item)?
+        ])?;
+    if n > 0 && st == "waiting" {
+        w.ready += 1;
+        w.woke = true;
+    }
+    Ok(())
+}
+
+fn insert_dead(c: &Connection, item: &WorkItem, reason: &str, now: i64) -> Result<(), QueueError> {
+    c.prepare_cached(
+        "INSERT OR IGNORE INTO items (id, flow, st, deliveries, reason, at, enqueued_at, body)
+         VALUES (?1, ?2, 'dead', ?3, ?4, ?5, ?6, ?7)",
+    )?
+    .execute(params![
+        item.id.to_string(),
+        item.flow,
+        item.deliveries,
+        reason,
+        now,
+        item.enqueued_at,
+        json(item)?
+    ])?;
+    Ok(())
+}
+
+/// An item row (selected with `ITEM_COLS`) as the operator sees it.
+fn view(r: &Row<'_>) -> rusqlite::Result<Result<ItemView, QueueError>> {
+    let body: String = r.get(0)?;
+    let deliveries: u32 = r.get(1)?;
+    let due: Option<i64> = r.get(2)?;
+    let st: String = r.get(3)?;
+    let consumer: Option<String> = r.get(4)?;
+    let since: Option<i64> = r.get(5)?;
+    let reason: Option<String> = r.get(6)?;
+    let at: Option<i64> = r.get(7)?;
+    Ok(unjson::<WorkItem>(&body).and_then(|mut item| {
+        item.deliveries = deliveries;
+        item.not_before = due;
+        let state = match st.as_str() {
+            "waiting" => ItemState::Waiting,
+            "in_flight" => ItemState::InFlight {
+                consumer: consumer.unwrap_or_default(),
+                since: since.unwrap_or(0),
+            },
+            "delayed" => ItemState::Delayed {
+                due: due.unwrap_or(0),
+            },
+            "parked" => ItemState::Parked,
+            "dead" => ItemState::Dead {
+                reason: reason.unwrap_or_default(),
+                at: at.unwrap_or(0),
+            },
+            "finished" => ItemState::Finished {
+                outcome: reason.unwrap_or_default(),
+                at: at.unwrap_or(0),
+            },
+            other => return Err(QueueError::Corrupt(format!("unknown item state `{other}`"))),
+        };
+        Ok(ItemView { item, state })
+    }))
+}
+
+fn get_view(c: &Connection, id: Ulid) -> Result<Option<ItemView>, QueueError> {
+    c.prepare_cached(&format!("SELECT {ITEM_COLS} FROM items WHERE id = ?1"))?
+        .query_row([id.to_string()], view)
+        .optional()?
+        .transpose()
+}
+
+fn read_state(c: &Connection, key: &StateKey) -> Result<Versioned, QueueError> {
+    let row: Option<(Option<String>, i64)> = c
+        .prepare_cached(
+            "SELECT value, version FROM state WHERE flow = ?1 AND node = ?2 AND key = ?3",
+        )?
+        .query_row(params![key.flow, key.node, key.key], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()?;
+    Ok(match row {
+        None => Versioned::default(),
+        Some((value, version)) => Versioned {
+            value: value.as_deref().map(unjson).transpose()?,
+            version: version as u64,
+        },
+    })
+}
+
+fn write_state(
+    c: &Connection,
+    key: &StateKey,
+    value: Option<&serde_json::Value>,
+) -> Result<(), QueueError> {
+    let value = value.map(json).transpose()?;
+    c.prepare_cached(
+        "INSERT INTO state (flow, node, key, value, version) VALUES (?1, ?2, ?3, ?4, 1)
+         ON CONFLICT (flow, node, key) DO UPDATE SET value = excluded.value, version = version + 1",
+    )?
+    .execute(params![key.flow, key.node, key.key, value])?;
+    Ok(())
+}
+
+fn item_state(c: &Connection, id: Ulid) -> Result<Option<String>, QueueError> {
+    Ok(c.prepare_cached("SELECT st FROM items WHERE id = ?1")?
+        .query_row([id.to_string()], |r| r.get(0))
+        .optional()?)
+}
+
+fn finish(c: &Connection, id: Ulid, outcome: &str, now: i64) -> Result<(), QueueError> {
+    c.prepare_cached(
+        "UPDATE items SET st = 'finished', reason = ?2, at = ?3, due = NULL, consumer = NULL,
+                          stepped = 0
+         WHERE id = ?1",
+    )?
+    .execute(params![id.to_string(), outcome, now])?;
+    Ok(())
+}
+
+fn commit_wave(
+    c: &Connection,
+    w: &mut Writer,
+    id: Ulid,
+    lease: u64,
+    flow: &str,
+    fx: WaveEffects,
+) -> Result<Committed, QueueError> {
+    let owner: Option<(String, i64)> = c
+        .prepare_cached("SELECT st, lease FROM items WHERE id = ?1")?
+        .query_row([id.to_string()], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    if owner != Some(("in_flight".to_string(), lease as i64)) {
+        return Ok(Committed::Conflict);
+    }
+    for s in &fx.state {
+        if read_state(c, &s.key)?.version != s.read_version {
+            return Ok(Committed::Conflict);
+        }
+    }
+    for (key, want) in &fx.guards {
+        if read_state(c, key)?.value.as_ref() != Some(want) {
+            return Ok(Committed::Conflict);
+        }
+    }
+    if fx.end == Some(End::Park) && !is_paused(c, flow)? {
+        return Ok(Committed::Conflict);
+    }
+    let now = now_ms();
+    for item in fx.follow_ups.into_iter().chain(fx.delayed) {
+        insert(c, w, item, now)?;
+    }
+    for s in &fx.state {
+        write_state(c, &s.key, s.value.as_ref())?;
+    }
+    if w.failpoints.hit("commit") {
+        // Halfway: follow-ups and state are written; the savepoint takes them back.
+        return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
+    }
+    for (item, reason) in &fx.dead {
+        insert_dead(c, item, reason, now)?;
+    }
+    c.prepare_cached("DELETE FROM done WHERE item = ?1")?
+        .execute([id.to_string()])?;
+    match fx.end.unwrap_or(End::Ack) {
+        End::Ack => finish(c, id, fx.outcome.as_deref().unwrap_or("done"), now)?,
+        End::Superseded => finish(c, id, "superseded by a newer timer", now)?,
+        End::DeadLetter(reason) => {
+            c.prepare_cached(
+                "UPDATE items SET st = 'dead', reason = ?2, at = ?3, consumer = NULL, stepped = 0
+                 WHERE id = ?1",
+            )?
+            .execute(params![id.to_string(), reason, now])?;
+        }
+        End::Park => {
+            c.prepare_cached(
+                "UPDATE items SET st = 'parked', consumer = NULL, stepped = 0 WHERE id = ?1",
+            )?
+            .execute([id.to_string()])?;
+        }
+    }
+    Ok(Committed::Done)
+}
+
+fn is_paused(c: &Connection, flow: &str) -> Result<bool, QueueError> {
+    Ok(c.prepare_cached("SELECT 1 FROM paused WHERE flow = ?1")?
+        .query_row([flow], |_| Ok(()))
+        .optional()?
+        .is_some())
+}
+
+fn claim_ready(
+    c: &Connection,
+    w: &mut Writer,
+    consumer: &str,
+    max: usize,
+) -> Result<Vec<Claimed>, QueueError> {
+    let rows: Vec<(i64, String, u32, bool)> = c
+        .prepare_cached(
+            "SELECT seq, body, deliveries, stepped FROM items
+             WHERE st = 'waiting' ORDER BY ord LIMIT ?1",
+        )?
+        .query_map([max as i64], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })?
+        .collect::<Result<_, _>>()?;
+    let now = now_ms();
+    let mut out = Vec::with_capacity(rows.len());
+    let mut take = c.prepare_cached(
+        "UPDATE items SET st = 'in_flight', deliveries = ?2, lease = ?3, consumer = ?4, since = ?5
+         WHERE seq = ?1",
+    )?;
+    for (seq, body, deliveries, stepped) in rows {
+        w.lease += 1;
+        let mut item: WorkItem = unjson(&body)?;
+        item.deliveries = deliveries + 1;
+        item.not_before = None;
+        take.execute(params![seq, item.deliveries, w.lease as i64, consumer, now])?;
+        w.ready -= 1;
+        out.push(Claimed {
+            item,
+            lease: w.lease,
+            consumer: consumer.to_string(),
+            stepped,
+        });
+    }
+    Ok(out)
+}
+
+/// Make the items matched by `sql` (which selects `seq`, in the order wanted) ready, each
+/// at the back of the ready order.
+fn make_ready(
+    c: &Connection,
+    w: &mut Writer,
+    sql: &str,
+    args: impl rusqlite::Params,
+) -> Result<usize, QueueError> {
+    let seqs: Vec<i64> = c
+        .prepare_cached(sql)?
+        .query_map(args, |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    let mut up = c.prepare_cached(
+        "UPDATE items SET st = 'waiting', due = NULL, consumer = NULL, ord = ?2 WHERE seq = ?1",
+    )?;
+    for seq in &seqs {
+        w.ord += 1;
+        up.execute(params![seq, w.ord])?;
+    }
+    if !seqs.is_empty() {
+        w.ready += seqs.len() as i64;
+        w.woke = true;
+    }
+    Ok(seqs.len())
+}
+
+#[async_trait::async_trait]
+impl StateRead for SqliteQueue {
+    async fn read(&self, key: &StateKey) -> Result<Versioned, StateError> {
+        let key = key.clone();
+        self.read_with(move |c| read_state(c, &key))
+            .await
+            .map_err(|e| StateError(e.to_string()))
+    }
+
+    async fn read_node(
+        &self,
+        flow: &str,
+        node: &str,
+    ) -> Result<Vec<(String, Versioned)>, StateError> {
+        let (flow, node) = (flow.to_string(), node.to_string());
+        self.read_with(move |c| {
+            let rows: Vec<(String, Option<String>, i64)> = c
+                .prepare_cached(
+                    "SELECT key, value, version FROM state
+                     WHERE flow = ?1 AND node = ?2 AND value IS NOT NULL",
+                )?
+                .query_map(params![flow, node], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })?
+                .collect::<Result<_, _>>()?;
+            rows.into_iter()
+                .map(|(k, v, version)| {
+                    Ok((
+                        k,
+                        Versioned {
+                            value: v.as_deref().map(unjson).transpose()?,
+                            version: version as u64,
+                        },
+                    ))
+                })
+                .collect()
+        })
+        .await
+        .map_err(|e| StateError(e.to_string()))
+    }
+}
+
+#[async_trait::async_trait]
+impl WorkQueue for SqliteQueue {
+    fn durable(&self) -> bool {
+        true
+    }
+
+    async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
+        let max = self.max_ready;
+        self.write(move |c, w| {
+            if w.ready + items.len() as i64 > max {
+                return Err(QueueError::Full(w.ready.max(0) as usize));
+            }
+            let now = now_ms();
+            for item in items {
+                insert(c, w, item, now)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
+        let key = key.to_string();
+        let max = self.max_ready;
+        self.write(move |c, w| {
+            let first: Option<String> = c
+                .prepare_cached("SELECT id FROM idempotency WHERE key = ?1")?
+                .query_row([&key], |r| r.get(0))
+                .optional()?;
+            if let Some(first) = first {
+                let id =
+                    Ulid::from_string(&first).map_err(|e| QueueError::Corrupt(e.to_string()))?;
+                return Ok((id, false));
+            }
+            if w.ready >= max {
+                return Err(QueueError::Full(w.ready.max(0) as usize));
+            }
+            let now = now_ms();
+            let id = item.id;
+            c.prepare_cached("INSERT INTO idempotency (key, id, at) VALUES (?1, ?2, ?3)")?
+                .execute(params![key, id.to_string(), now])?;
+            insert(c, w, item, now)?;
+            Ok((id, true))
+        })
+        .await
+    }
+
+    async fn add_tick(
+        &self,
+        key: &StateKey,
+        tick: i64,
+        item: WorkItem,
+    ) -> Result<bool, QueueError> {
+        let key = key.clone();
+        self.write(move |c, w| {
+            let last = read_state(c, &key)?.value.and_then(|v| v.as_i64());
+            if last.is_some_and(|l| l >= tick) {
+                return Ok(false);
+            }
+            write_state(c, &key, Some(&tick.into()))?;
+            insert(c, w, item, now_ms())?;
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn claim(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Claimed>, QueueError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let consumer = consumer.to_string();
+            let got = self
+                .write(move |c, w| {
+                    if w.ready <= 0 {
+                        return Ok(Vec::new());
+                    }
+                    claim_ready(c, w, &consumer, max)
+                })
+                .await?;
+            if !got.is_empty() {
+                return Ok(got);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Ok(Vec::new());
+            }
+        }
+    }
+
+    async fn commit(&self, claimed: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
+        let (id, lease, flow) = (claimed.item.id, claimed.lease, claimed.item.flow.clone());
+        self.write(move |c, w| commit_wave(c, w, id, lease, &flow, fx))
+            .await
+    }
+
+    async fn reclaim_stale(&self, min_idle: Duration) -> Result<usize, QueueError> {
+        let before = now_ms() - min_idle.as_millis() as i64;
+        self.write(move |c, w| {
+            let n = c.execute(
+                "UPDATE items SET st = 'waiting', consumer = NULL
+                 WHERE st = 'in_flight' AND since <= ?1",
+                [before],
+            )?;
+            if n > 0 {
+                w.ready += n as i64;
+                w.woke = true;
+            }
+            Ok(n)
+        })
+        .await
+    }
+
+    async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
+        self.write(move |c, w| {
+            make_ready(
+                c,
+                w,
+                "SELECT seq FROM items WHERE st = 'delayed' AND due <= ?1 ORDER BY due, seq",
+                [now],
+            )
+        })
+        .await
+    }
+
+    async fn next_due(&self) -> Result<Option<i64>, QueueError> {
+        self.read_with(|c| {
+            Ok(
+                c.prepare_cached("SELECT min(due) FROM items WHERE st = 'delayed'")?
+                    .query_row([], |r| r.get(0))?,
+            )
+        })
+        .await
+    }
+
+    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
+        let flow = flow.to_string();
+        self.write(move |c, _| {
+            if paused {
+                c.execute("INSERT OR IGNORE INTO paused (flow) VALUES (?1)", [&flow])?;
+            } else {
+                c.execute("DELETE FROM paused WHERE flow = ?1", [&flow])?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
+        let flow = flow.to_string();
+        self.read_with(move |c| is_paused(c, &flow)).await
+    }
+
+    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
+        let flow = flow.to_string();
+        self.write(move |c, w| {
+            make_ready(
+                c,
+                w,
+                "SELECT seq FROM items WHERE flow = ?1 AND st = 'parked' ORDER BY ord",
+                [&flow],
+            )
+        })
+        .await
+    }
+
+    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
+        let flow = flow.to_string();
+        self.write(move |c, w| {
+            let oldest: Option<(i64, String)> = c
+                .prepare_cached(
+                    "SELECT seq, id FROM items WHERE flow = ?1 AND st = 'parked'
+                     ORDER BY ord LIMIT 1",
+                )?
+                .query_row([&flow], |r| Ok((r.get(0)?, r.get(1)?)))
+                .optional()?;
+            let Some((seq, id)) = oldest else {
+                return Ok(None);
+            };
+            // It keeps its place in the ready order, and runs although the flow is paused.
+            c.execute(
+                "UPDATE items SET st = 'waiting', stepped = 1 WHERE seq = ?1",
+                [seq],
+            )?;
+            w.ready += 1;
+            w.woke = true;
+            Ulid::from_string(&id)
+                .map(Some)
+                .map_err(|e| QueueError::Corrupt(e.to_string()))
+        })
+        .await
+    }
+
+    async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
+        let flow = flow.to_string();
+        self.write(move |c, w| {
+            let ready: i64 = c.query_row(
+                "SELECT count(*) FROM items WHERE flow = ?1 AND st = 'waiting'",
+                [&flow],
+                |r| r.get(0),
+            )?;
+            let n = c.execute(
+                "UPDATE items SET st = 'finished', reason = 'cleared with its flow', at = ?2,
+                                  due = NULL, stepped = 0
+                 WHERE flow = ?1 AND st IN ('waiting', 'delayed', 'parked')",
+                params![flow, now_ms()],
+            )?;
+            w.ready -= ready;
+            Ok(n)
+        })
+        .await
+    }
+
+    async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
+        self.write(move |c, _| {
+            c.prepare_cached(
+                "INSERT OR REPLACE INTO done (item, node, position, outputs) VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute(params![
+                key.item.to_string(),
+                key.node,
+                key.position,
+                json(&outputs)?
+            ])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn was_done(&self, key: &DoneKey) -> Result<Option<Vec<Vec<Message>>>, QueueError> {
+        let key = key.clone();
+        self.read_with(move |c| {
+            let row: Option<String> = c
+                .prepare_cached(
+                    "SELECT outputs FROM done WHERE item = ?1 AND node = ?2 AND position = ?3",
+                )?
+                .query_row(params![key.item.to_string(), key.node, key.position], |r| {
+                    r.get(0)
+                })
+                .optional()?;
+            row.as_deref().map(unjson).transpose()
+        })
+        .await
+    }
+
+    async fn post_reply(&self, id: Ulid, reply: Reply) -> Result<(), QueueError> {
+        self.replies.post(id, reply);
+        Ok(())
+    }
+
+    async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
+        Ok(self.replies.wait(id, wait).await)
+    }
+
+    async fn stats(&self) -> Result<Stats, QueueError> {
+        self.read_with(|c| {
+            let mut s = Stats {
+                durable: true,
+                ..Default::default()
+            };
+            let mut q = c.prepare_cached(
+                "SELECT st, count(*), min(enqueued_at) FROM items
+                 WHERE st IN ('waiting', 'in_flight', 'delayed', 'parked', 'dead') GROUP BY st",
+            )?;
+            let rows = q.query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, i64>(1)?,
+                    r.get::<_, Option<i64>>(2)?,
+                ))
+            })?;
+            let now = now_ms();
+            for row in rows {
+                let (st, n, oldest) = row?;
+                let n = n as usize;
+                match st.as_str() {
+                    "waiting" => s.ready = n,
+                    "in_flight" => s.in_flight = n,
+                    "delayed" => s.delayed = n,
+                    "parked" => s.parked = n,
+                    _ => s.dead = n,
+                }
+                if matches!(st.as_str(), "waiting" | "in_flight") {
+                    if let Some(t) = oldest {
+                        let age = now - t;
+                        s.oldest_pending_age_ms =
+                            Some(s.oldest_pending_age_ms.map_or(age, |a| a.max(age)));
+                    }
+                }
+            }
+            Ok(s)
+        })
+        .await
+    }
+
+    async fn dead_letters(&self, n: usize) -> Result<Vec<ItemView>, QueueError> {
+        self.read_with(move |c| {
+            c.prepare_cached(&format!(
+                "SELECT {ITEM_COLS} FROM items WHERE st = 'dead' ORDER BY at DESC, seq DESC LIMIT ?1"
+            ))?
+            .query_map([n as i64], view)?
+            .map(|r| r?)
+            .collect()
+        })
+        .await
+    }
+
+    async fn get(&self, id: Ulid) -> Result<Option<ItemView>, QueueError> {
+        self.read_with(move |c| get_view(c, id)).await
+    }
+
+    async fn list(&self, f: ListFilter) -> Result<Vec<ItemView>, QueueError> {
+        let limit = if f.limit == 0 { 100 } else { f.limit } as i64;
+        self.read_with(move |c| {
+            c.prepare_cached(&format!(
+                "SELECT {ITEM_COLS} FROM items
+                 WHERE (?1 IS NULL OR flow = ?1) AND (?2 IS NULL OR st = ?2) AND (?3 IS NULL OR id > ?3)
+                 ORDER BY id LIMIT ?4"
+            ))?
+            .query_map(
+                params![f.flow, f.state, f.after.map(|a| a.to_string()), limit],
+                view,
+            )?
+            .map(|r| r?)
+            .collect()
+        })
+        .await
+    }
+
+    async fn cancel(&self, id: Ulid) -> Result<(), QueueError> {
+        self.write(move |c, w| match item_state(c, id)?.as_deref() {
+            None => Err(QueueError::NotFound(id)),
+            Some(st @ ("waiting" | "delayed" | "parked")) => {
+                if st == "waiting" {
+                    w.ready -= 1;
+                }
+                finish(c, id, "cancelled by hand", now_ms())
+            }
+            Some("in_flight") => Err(QueueError::Conflict(format!(
+                "item {id} is in flight; it ends with its wave"
+            ))),
+            Some("dead") => Err(QueueError::Conflict(format!(
+                "item {id} is a dead letter: discard or replay it"
+            ))),
+            Some(_) => Err(QueueError::Conflict(format!("item {id} has finished"))),
+        })
+        .await
+    }
+
+    async fn replay(&self, id: Ulid) -> Result<Ulid, QueueError> {
+        self.write(move |c, w| {
+            let Some(v) = get_view(c, id)? else {
+                return Err(QueueError::NotFound(id));
+            };
+            if !matches!(v.state, ItemState::Dead { .. }) {
+                return Err(QueueError::Conflict(format!(
+                    "item {id} is not a dead letter"
+                )));
+            }
+            let item = v.item.replayed();
+            let new_id = item.id;
+            let now = now_ms();
+            finish(c, id, &format!("replayed as {new_id}"), now)?;
+            insert(c, w, item, now)?;
+            Ok(new_id)
+        })
+        .await
+    }
+
+    async fn discard(&self, id: Ulid) -> Result<(), QueueError> {
+        self.write(move |c, _| match item_state(c, id)?.as_deref() {
+            None => Err(QueueError::NotFound(id)),
+            Some("dead") => finish(c, id, "discarded by hand", now_ms()),
+            Some(_) => Err(QueueError::Conflict(format!(
+                "item {id} is not a dead letter"
+            ))),
+        })
+        .await
+    }
+}
