@@ -124,6 +124,9 @@ struct Job {
 /// The SQLite queue. `SqliteQueue::open("weir-data/queue.db", Failpoints::new())`.
 pub struct SqliteQueue {
     jobs: mpsc::Sender<Job>,
+    writer: Option<std::thread::JoinHandle<()>>,
+    /// Transactions committed by the writer (each is one fsync), for benchmarks and tests.
+    batches: Arc<std::sync::atomic::AtomicU64>,
     reader: Arc<Mutex<Connection>>,
     ready: Arc<Notify>,
     replies: Replies,
@@ -237,16 +240,20 @@ impl SqliteQueue {
             failpoints,
         };
         let notify = ready_notify.clone();
-        std::thread::Builder::new()
+        let batches = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = batches.clone();
+        let handle = std::thread::Builder::new()
             .name("weir-sqlite-writer".into())
             .spawn(move || {
-                write_loop(conn, rx, writer, &notify);
+                write_loop(conn, rx, writer, &notify, &counted);
                 // The lock goes with the writer: released only once its connection is closed.
                 drop(lock);
             })
             .map_err(|e| QueueError::Open(format!("cannot start the writer thread: {e}")))?;
         Ok(SqliteQueue {
             jobs: tx,
+            writer: Some(handle),
+            batches,
             reader: Arc::new(Mutex::new(reader)),
             ready: ready_notify,
             replies: Replies::default(),
@@ -259,6 +266,11 @@ impl SqliteQueue {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// How many transactions the writer has committed so far (one fsync each).
+    pub fn batches(&self) -> u64 {
+        self.batches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Run `f` on the writer, in the next batch; the answer comes once that batch is durable.
@@ -295,6 +307,18 @@ impl SqliteQueue {
     }
 }
 
+impl Drop for SqliteQueue {
+    /// Close the writer and wait for it, so the file and its lock are free on return (a
+    /// reopen right after, as a restart does, finds them free).
+    fn drop(&mut self) {
+        let (closed, _) = mpsc::channel();
+        drop(std::mem::replace(&mut self.jobs, closed));
+        if let Some(h) = self.writer.take() {
+            let _ = h.join();
+        }
+    }
+}
+
 fn migrate(conn: &mut Connection) -> Result<(), QueueError> {
     let have: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
     if have > SCHEMA_VERSION {
@@ -313,7 +337,13 @@ fn migrate(conn: &mut Connection) -> Result<(), QueueError> {
     Ok(())
 }
 
-fn write_loop(conn: Connection, rx: mpsc::Receiver<Job>, mut w: Writer, ready: &Notify) {
+fn write_loop(
+    conn: Connection,
+    rx: mpsc::Receiver<Job>,
+    mut w: Writer,
+    ready: &Notify,
+    counter: &std::sync::atomic::AtomicU64,
+) {
     let mut batches: u64 = 0;
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
@@ -360,6 +390,7 @@ fn write_loop(conn: Connection, rx: mpsc::Receiver<Job>, mut w: Writer, ready: &
         };
         match committed {
             Ok(()) => {
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 for (reply, a) in answers {
                     let _ = reply.send(a);
                 }

@@ -1,0 +1,118 @@
+//! What the SQLite backend promises beyond the shared contract: the file survives the
+//! process, one engine holds it, a failed group commit fails every member and keeps nothing,
+//! and concurrent callers share transactions.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use weir_queue::{Failpoints, QueueError, SqliteQueue, WorkItem, WorkQueue};
+
+fn item(n: i64) -> WorkItem {
+    WorkItem::cascade("f", "in", "test", vec![json!({ "payload": n })])
+}
+
+#[tokio::test]
+async fn a_second_engine_on_the_same_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("queue.db");
+    let first = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+    let second = SqliteQueue::open(&path, Failpoints::new());
+    let Err(QueueError::Open(msg)) = second else {
+        panic!("the second open must be refused");
+    };
+    assert!(msg.contains("in use by another weir engine"), "{msg}");
+    drop(first);
+    SqliteQueue::open(&path, Failpoints::new()).expect("free again once the first is closed");
+}
+
+#[tokio::test]
+async fn items_and_delivery_counts_survive_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q/queue.db");
+    let ids: Vec<_> = {
+        let q = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+        let items: Vec<_> = (0..3).map(item).collect();
+        let ids = items.iter().map(|i| i.id).collect();
+        q.add(items).await.unwrap();
+        // Claimed and never committed: the process "dies" holding it.
+        let c = q.claim("a", 1, Duration::ZERO).await.unwrap();
+        assert_eq!(c[0].item.deliveries, 1);
+        ids
+    };
+    let q = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.ready, s.in_flight), (3, 0), "the orphan is ready again");
+    assert!(s.durable);
+    let c = q.claim("b", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(c.iter().map(|c| c.item.id).collect::<Vec<_>>(), ids);
+    assert_eq!(c[0].item.deliveries, 2, "the first claim was counted durably");
+    assert_eq!(c[1].item.deliveries, 1);
+}
+
+#[tokio::test]
+async fn a_file_from_a_newer_weir_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("queue.db");
+    drop(SqliteQueue::open(&path, Failpoints::new()).unwrap());
+    let c = rusqlite::Connection::open(&path).unwrap();
+    c.pragma_update(None, "user_version", 999).unwrap();
+    drop(c);
+    let Err(QueueError::Open(msg)) = SqliteQueue::open(&path, Failpoints::new()) else {
+        panic!("a newer schema must be refused");
+    };
+    assert!(msg.contains("newer weir"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_adds_share_transactions() {
+    let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+    let before = q.batches();
+    let tasks: Vec<_> = (0..400)
+        .map(|n| {
+            let q = q.clone();
+            tokio::spawn(async move { q.add(vec![item(n)]).await })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let used = q.batches() - before;
+    assert_eq!(q.stats().await.unwrap().ready, 400);
+    assert!(
+        used < 200,
+        "400 concurrent adds took {used} transactions: group commit is not merging them"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_batch_fails_every_member_and_keeps_none() {
+    let fp = Failpoints::new();
+    let q = Arc::new(SqliteQueue::temporary(fp.clone()).unwrap());
+    fp.arm("sqlite-batch", 1);
+    let tasks: Vec<_> = (0..100)
+        .map(|n| {
+            let q = q.clone();
+            tokio::spawn(async move {
+                let it = item(n);
+                let id = it.id;
+                (id, q.add(vec![it]).await)
+            })
+        })
+        .collect();
+    let mut failed = 0;
+    for t in tasks {
+        let (id, r) = t.await.unwrap();
+        let stored = q.get(id).await.unwrap();
+        match r {
+            Ok(()) => assert!(stored.is_some(), "an accepted item is in the journal"),
+            Err(e) => {
+                assert!(matches!(e, QueueError::Unavailable(_)), "{e}");
+                assert!(stored.is_none(), "a refused item left nothing behind");
+                failed += 1;
+            }
+        }
+    }
+    assert!(failed >= 1, "the failpoint failed one batch");
+    assert_eq!(q.stats().await.unwrap().ready, 100 - failed);
+}
