@@ -68,13 +68,33 @@ impl Executor {
     }
 
     /// Commit, retrying while the backend is unavailable (up to the wave deadline).
+    ///
+    /// A commit that failed may still have gone through (its answer was lost on the way
+    /// back). When a retry then meets a conflict and the item is no longer in flight, the
+    /// item has ended — by this commit or another engine's — and the wave is not run again.
     async fn commit_with_retries(&self, c: &Claimed, fx: WaveEffects) -> Option<Committed> {
         let deadline = tokio::time::Instant::now() + self.cfg.wave_deadline;
         let mut delay = Duration::from_millis(20);
+        let mut failed_before = false;
         loop {
             match self.queue.commit(c, fx.clone()).await {
+                Ok(Committed::Conflict) if failed_before => {
+                    return match self.queue.get(c.item.id).await {
+                        Ok(Some(v))
+                            if v.state.name() != "in_flight" && v.state.name() != "waiting" =>
+                        {
+                            tracing::info!(
+                                state = v.state.name(),
+                                "a commit whose answer was lost had gone through"
+                            );
+                            Some(Committed::Done)
+                        }
+                        _ => Some(Committed::Conflict),
+                    };
+                }
                 Ok(r) => return Some(r),
                 Err(e) if tokio::time::Instant::now() + delay < deadline => {
+                    failed_before = true;
                     tracing::warn!(error = %e, "commit failed; trying again");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(2));
@@ -174,6 +194,7 @@ impl Executor {
             let position = steps as u32;
             let node = &flow.nodes[n];
             let done_key = DoneKey {
+                flow: item.flow.clone(),
                 item: item.id,
                 node: node.id.clone(),
                 position,

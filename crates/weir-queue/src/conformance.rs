@@ -351,6 +351,7 @@ pub async fn done_markers_live_until_commit(q: Q, _fp: Failpoints) {
     q.add(vec![item("f", 1)]).await.unwrap();
     let c = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
     let key = DoneKey {
+        flow: "f".into(),
         item: c.item.id,
         node: "send".into(),
         position: 2,

@@ -9,11 +9,14 @@
 pub mod failpoint;
 mod item;
 pub mod memory;
+pub mod redis;
 mod replies;
 pub mod sqlite;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+#[cfg(feature = "conformance")]
+pub mod testing;
 
 use std::time::Duration;
 
@@ -23,6 +26,7 @@ use ulid::Ulid;
 pub use failpoint::Failpoints;
 pub use item::{now_ms, ItemKind, Message, WorkItem, ITEM_VERSION};
 pub use memory::MemoryQueue;
+pub use redis::{RedisOptions, RedisQueue};
 pub use sqlite::SqliteQueue;
 pub use weir_state::{StateError, StateKey, StateRead, StateWrite, Versioned};
 
@@ -82,6 +86,8 @@ pub enum End {
 /// A side effect already performed for (item, node, position in the wave's walk).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DoneKey {
+    /// The item's flow: a backend that shards by flow keeps the marker beside the item.
+    pub flow: String,
     pub item: Ulid,
     pub node: String,
     pub position: u32,
@@ -139,6 +145,9 @@ pub struct Stats {
     pub dead: usize,
     /// Age of the oldest item that is ready or in flight, in milliseconds.
     pub oldest_pending_age_ms: Option<i64>,
+    /// Dead letters evicted past the backend's cap (each recorded on its item).
+    #[serde(default)]
+    pub dead_evicted: u64,
     pub durable: bool,
 }
 

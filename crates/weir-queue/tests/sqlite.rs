@@ -46,7 +46,10 @@ async fn items_and_delivery_counts_survive_a_reopen() {
     assert!(s.durable);
     let c = q.claim("b", 10, Duration::ZERO).await.unwrap();
     assert_eq!(c.iter().map(|c| c.item.id).collect::<Vec<_>>(), ids);
-    assert_eq!(c[0].item.deliveries, 2, "the first claim was counted durably");
+    assert_eq!(
+        c[0].item.deliveries, 2,
+        "the first claim was counted durably"
+    );
     assert_eq!(c[1].item.deliveries, 1);
 }
 

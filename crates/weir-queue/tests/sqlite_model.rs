@@ -9,7 +9,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 use serde_json::json;
 use ulid::Ulid;
-use weir_queue::{Claimed, Committed, End, Failpoints, SqliteQueue, WaveEffects, WorkItem, WorkQueue};
+use weir_queue::{
+    Claimed, Committed, End, Failpoints, SqliteQueue, WaveEffects, WorkItem, WorkQueue,
+};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -191,7 +193,11 @@ async fn run(ops: Vec<Op>) {
     }
     // Nothing accepted is ever lost: every item the model knows, the file knows, in its state.
     for (id, (st, _, deliveries)) in &m.items {
-        let v = q.get(*id).await.unwrap().expect("every accepted item is in the file");
+        let v = q
+            .get(*id)
+            .await
+            .unwrap()
+            .expect("every accepted item is in the file");
         assert_eq!(v.item.deliveries, *deliveries);
         let name = match st {
             St::Waiting => "waiting",

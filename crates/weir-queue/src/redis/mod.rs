@@ -1,0 +1,1126 @@
+//! Redis Streams: the backend for several engines sharing work.
+//!
+//! - Ready items are entries of a stream read through the consumer group `weir`; a claimed
+//!   entry stays pending until its commit acknowledges and deletes it, and an engine that
+//!   dies leaves its entries pending for `XAUTOCLAIM` to hand to the living. Nothing is ever
+//!   trimmed: an entry is deleted when its item ends.
+//! - Each item has a record (a hash) with its body, state, delivery count and lease. A claim
+//!   bumps the count and the lease in the same script that reads the entry, so the count is
+//!   the item's own, exactly, and a commit from an engine whose lease is gone is refused.
+//! - Delayed items wait in a sorted set; promotion is one script (remove, append, mark), so
+//!   a crash can neither lose nor duplicate one. Parked items are a list per flow, unparked
+//!   by one script. Dead letters are a capped stream; an eviction is counted and recorded.
+//!   Done markers are a hash per item with a TTL; node state is two hashes per node (values
+//!   and versions).
+//! - A wave's commit is one script that refuses when the lease moved, a state version moved,
+//!   a guard no longer holds, or a park meets a flow that is no longer paused; it checks all
+//!   of that before it writes anything, because Redis does not roll a script back.
+//! - Keys are in shards by flow (see [`keys`]); the default is one shard.
+//!
+//! Durability is the server's: weir checks `appendonly`/`appendfsync` at start and warns when
+//! an acknowledged write can be lost. With replication, a failover can lose acknowledged
+//! writes unless the replica had them; weir does not use WAIT.
+
+pub mod keys;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{AsyncCommands, Script};
+use serde::Serialize;
+use ulid::Ulid;
+
+use crate::{
+    now_ms, Claimed, Committed, DoneKey, End, Failpoints, ItemState, ItemView, ListFilter, Message,
+    QueueError, Reply, StateError, StateKey, StateRead, Stats, Versioned, WaveEffects, WorkItem,
+    WorkQueue,
+};
+
+const HELPERS: &str = include_str!("scripts.lua");
+/// Finished item records kept per shard for `get`.
+const FINISHED_KEPT: usize = 10_000;
+/// Dead letters kept per shard before the oldest is evicted (counted, recorded).
+pub const DEAD_CAP: usize = 100_000;
+/// Done markers outlive a crashed engine's redelivery by far, then expire.
+const DONE_TTL_SECS: i64 = 7 * 24 * 3600;
+const IDEMPOTENCY_TTL_SECS: i64 = 24 * 3600;
+const REPLY_TTL_SECS: i64 = 120;
+/// Delayed items promoted per script run (the rest in the next).
+const PROMOTE_BATCH: usize = 1000;
+/// Entries one reclaim call looks at per shard, and rounds of that per call.
+const RECLAIM_BATCH: usize = 100;
+const RECLAIM_ROUNDS: usize = 10;
+
+const ADD: &str = r#"
+local max = tonumber(ARGV[3])
+local items = cjson.decode(ARGV[4])
+local ready = ready_count()
+if ready + #items > max then return {'full', ready} end
+for _, it in ipairs(items) do insert(it) end
+return {'ok', 0}
+"#;
+
+const ADD_IDEMPOTENT: &str = r#"
+local first = redis.call('GET', ARGV[3])
+if first then return {'old', first} end
+local ready = ready_count()
+if ready + 1 > tonumber(ARGV[5]) then return {'full', tostring(ready)} end
+local it = cjson.decode(ARGV[6])
+redis.call('SET', ARGV[3], it.id, 'EX', ARGV[4])
+insert(it)
+return {'new', it.id}
+"#;
+
+const ADD_TICK: &str = r#"
+local last = redis.call('HGET', ARGV[3], ARGV[5])
+if last and tonumber(last) >= tonumber(ARGV[6]) then return 0 end
+redis.call('HSET', ARGV[3], ARGV[5], ARGV[6])
+redis.call('HINCRBY', ARGV[4], ARGV[5], 1)
+insert(cjson.decode(ARGV[7]))
+return 1
+"#;
+
+const CLAIM: &str = r#"
+local function read()
+  return redis.pcall('XREADGROUP', 'GROUP', G, ARGV[3], 'COUNT', ARGV[4], 'STREAMS', STREAM, '>')
+end
+local r = read()
+if type(r) == 'table' and r.err then
+  if not string.find(r.err, 'NOGROUP') then return r end
+  -- First claim, or the server lost the group: read the stream from its start.
+  redis.call('XGROUP', 'CREATE', STREAM, G, '0', 'MKSTREAM')
+  r = read()
+  if type(r) == 'table' and r.err then return r end
+end
+local out = {}
+if not r then return out end
+for _, e in ipairs(r[1][2]) do
+  local eid = e[1]
+  local id = e[2][2]
+  local k = ik(id)
+  local st, entry, stepped, body = unpack(redis.call('HMGET', k, 'st', 'entry', 'stepped', 'body'))
+  if st ~= 'waiting' or entry ~= eid then
+    -- An entry whose item has moved on: nothing to run.
+    redis.call('XACK', STREAM, G, eid)
+    redis.call('XDEL', STREAM, eid)
+  else
+    local d = redis.call('HINCRBY', k, 'deliveries', 1)
+    local lease = redis.call('INCR', P .. 'lease')
+    redis.call('HSET', k, 'st', 'in_flight', 'consumer', ARGV[3], 'since', NOW, 'lease', lease)
+    out[#out + 1] = {id, d, lease, stepped or '0', body}
+  end
+end
+return out
+"#;
+
+const COMMIT: &str = r#"
+local id, lease, flow = ARGV[3], ARGV[4], ARGV[5]
+local fx = cjson.decode(ARGV[6])
+local k = ik(id)
+local st, cur = unpack(redis.call('HMGET', k, 'st', 'lease'))
+if st ~= 'in_flight' or cur ~= lease then return 'conflict' end
+for _, s in ipairs(fx.state) do
+  if tonumber(redis.call('HGET', s.vk, s.key) or '0') ~= s.read then return 'conflict' end
+end
+for _, g in ipairs(fx.guards) do
+  if redis.call('HGET', g.hk, g.key) ~= g.want then return 'conflict' end
+end
+if fx.kind == 'park' and redis.call('SISMEMBER', P .. 'paused', flow) == 0 then
+  return 'conflict'
+end
+if fx.fail then return redis.error_reply('failpoint `commit` fired') end
+-- Everything is checked; nothing below can fail.
+for _, it in ipairs(fx.items) do insert(it) end
+for _, s in ipairs(fx.state) do
+  if s.del then redis.call('HDEL', s.hk, s.key) else redis.call('HSET', s.hk, s.key, s.value) end
+  redis.call('HINCRBY', s.vk, s.key, 1)
+end
+for _, d in ipairs(fx.dead) do insert_dead(d, d.reason) end
+redis.call('DEL', P .. 'done:' .. id)
+if fx.kind == 'ack' then
+  finish(id, fx.reason)
+elseif fx.kind == 'dead' then
+  bury(id, fx.reason)
+else
+  unstream(k)
+  redis.call('HSET', k, 'st', 'parked')
+  redis.call('HDEL', k, 'consumer', 'since', 'stepped')
+  redis.call('RPUSH', P .. 'parked:' .. flow, id)
+  redis.call('SADD', P .. 'parked_flows', flow)
+end
+return 'done'
+"#;
+
+const RECLAIM: &str = r#"
+local res = redis.pcall('XAUTOCLAIM', STREAM, G, ARGV[3], ARGV[4], ARGV[5], 'COUNT', ARGV[6])
+if type(res) == 'table' and res.err then return {0, '0-0'} end
+local n = 0
+for _, e in ipairs(res[2]) do
+  local eid, f = e[1], e[2]
+  redis.call('XACK', STREAM, G, eid)
+  redis.call('XDEL', STREAM, eid)
+  if f then
+    local id = f[2]
+    local k = ik(id)
+    local st, entry = unpack(redis.call('HMGET', k, 'st', 'entry'))
+    if st == 'in_flight' and entry == eid then
+      make_ready(id, false)
+      n = n + 1
+    end
+  end
+end
+return {n, res[1]}
+"#;
+
+const MOVE_DUE: &str = r#"
+local ids = redis.call('ZRANGEBYSCORE', P .. 'delayed', '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
+local n = 0
+for _, id in ipairs(ids) do
+  redis.call('ZREM', P .. 'delayed', id)
+  if redis.call('HGET', ik(id), 'st') == 'delayed' then
+    make_ready(id, false)
+    n = n + 1
+  end
+end
+return n
+"#;
+
+const UNPARK: &str = r#"
+local L = P .. 'parked:' .. ARGV[3]
+local ids = redis.call('LRANGE', L, 0, -1)
+redis.call('DEL', L)
+local n = 0
+for _, id in ipairs(ids) do
+  if redis.call('HGET', ik(id), 'st') == 'parked' then
+    make_ready(id, false)
+    n = n + 1
+  end
+end
+return n
+"#;
+
+const UNPARK_ONE: &str = r#"
+local L = P .. 'parked:' .. ARGV[3]
+for _ = 1, redis.call('LLEN', L) do
+  local id = redis.call('LPOP', L)
+  if redis.call('HGET', ik(id), 'st') == 'parked' then
+    make_ready(id, true)
+    return id
+  end
+end
+return false
+"#;
+
+const CLEAR_FLOW: &str = r#"
+local flow = ARGV[3]
+local n = 0
+local function clear(id, want)
+  local st, f = unpack(redis.call('HMGET', ik(id), 'st', 'flow'))
+  if st == want and f == flow then
+    finish(id, 'cleared with its flow')
+    n = n + 1
+  end
+end
+for _, id in ipairs(redis.call('LRANGE', P .. 'parked:' .. flow, 0, -1)) do clear(id, 'parked') end
+for _, id in ipairs(redis.call('ZRANGE', P .. 'delayed', 0, -1)) do clear(id, 'delayed') end
+for _, e in ipairs(redis.call('XRANGE', STREAM, '-', '+')) do clear(e[2][2], 'waiting') end
+return n
+"#;
+
+const CANCEL: &str = r#"
+local st = redis.call('HGET', ik(ARGV[3]), 'st')
+if not st then return 'missing' end
+if st == 'waiting' or st == 'delayed' or st == 'parked' then
+  finish(ARGV[3], 'cancelled by hand')
+  return 'ok'
+end
+return st
+"#;
+
+const DISCARD: &str = r#"
+local st = redis.call('HGET', ik(ARGV[3]), 'st')
+if not st then return 'missing' end
+if st ~= 'dead' then return st end
+finish(ARGV[3], 'discarded by hand')
+return 'ok'
+"#;
+
+const REPLAY: &str = r#"
+local st = redis.call('HGET', ik(ARGV[3]), 'st')
+if not st then return 'missing' end
+if st ~= 'dead' then return st end
+local it = cjson.decode(ARGV[4])
+finish(ARGV[3], 'replayed as ' .. it.id)
+insert(it)
+return 'ok'
+"#;
+
+const STATS: &str = r#"
+local pend = pending()
+local parked = 0
+for _, f in ipairs(redis.call('SMEMBERS', P .. 'parked_flows')) do
+  local l = redis.call('LLEN', P .. 'parked:' .. f)
+  if l == 0 then redis.call('SREM', P .. 'parked_flows', f) end
+  parked = parked + l
+end
+local first = redis.call('XRANGE', STREAM, '-', '+', 'COUNT', 1)[1]
+local enq = ''
+if first then enq = redis.call('HGET', ik(first[2][2]), 'enq') or '' end
+return {redis.call('XLEN', STREAM) - pend, pend, redis.call('ZCARD', P .. 'delayed'), parked,
+  redis.call('XLEN', DEAD), enq, tonumber(redis.call('GET', P .. 'dead_evicted') or '0')}
+"#;
+
+struct Scripts {
+    add: Script,
+    add_idempotent: Script,
+    add_tick: Script,
+    claim: Script,
+    commit: Script,
+    reclaim: Script,
+    move_due: Script,
+    unpark: Script,
+    unpark_one: Script,
+    clear_flow: Script,
+    cancel: Script,
+    discard: Script,
+    replay: Script,
+    stats: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        let helpers = HELPERS
+            .replace("__FINISHED_KEPT__", &FINISHED_KEPT.to_string())
+            .replace("__DEAD_CAP__", &DEAD_CAP.to_string());
+        let s = |body: &str| Script::new(&format!("{helpers}\n{body}"));
+        Scripts {
+            add: s(ADD),
+            add_idempotent: s(ADD_IDEMPOTENT),
+            add_tick: s(ADD_TICK),
+            claim: s(CLAIM),
+            commit: s(COMMIT),
+            reclaim: s(RECLAIM),
+            move_due: s(MOVE_DUE),
+            unpark: s(UNPARK),
+            unpark_one: s(UNPARK_ONE),
+            clear_flow: s(CLEAR_FLOW),
+            cancel: s(CANCEL),
+            discard: s(DISCARD),
+            replay: s(REPLAY),
+            stats: s(STATS),
+        }
+    }
+}
+
+/// Settings beyond the server's address.
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    /// The namespace in every key (`{NS:K}:…`), so several deployments can share a server.
+    pub namespace: String,
+    /// Shards by flow (one Redis Cluster slot each).
+    pub shards: u32,
+    /// Past this many ready items (per shard) `add` answers `Full`.
+    pub max_ready: usize,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            namespace: "weir".into(),
+            shards: 1,
+            max_ready: 100_000,
+        }
+    }
+}
+
+/// An item as the scripts take it.
+#[derive(Serialize)]
+struct Rec<'a> {
+    id: String,
+    flow: &'a str,
+    body: String,
+    due: String,
+    enq: String,
+    deliveries: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'a str>,
+}
+
+fn rec<'a>(item: &'a WorkItem, reason: Option<&'a str>) -> Result<Rec<'a>, QueueError> {
+    Ok(Rec {
+        id: item.id.to_string(),
+        flow: &item.flow,
+        body: serde_json::to_string(item).map_err(|e| QueueError::Corrupt(e.to_string()))?,
+        due: item.not_before.map(|t| t.to_string()).unwrap_or_default(),
+        enq: item.enqueued_at.to_string(),
+        deliveries: item.deliveries,
+        reason,
+    })
+}
+
+fn unavailable(e: redis::RedisError) -> QueueError {
+    QueueError::Unavailable(format!("redis: {e}"))
+}
+
+fn corrupt(e: impl std::fmt::Display) -> QueueError {
+    QueueError::Corrupt(e.to_string())
+}
+
+/// The Redis Streams queue.
+pub struct RedisQueue {
+    conn: ConnectionManager,
+    opts: RedisOptions,
+    scripts: Scripts,
+    failpoints: Failpoints,
+    /// Something that must live as long as the queue (a test's own redis-server).
+    _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl RedisQueue {
+    /// Connect to `url` (`redis://HOST:PORT[/DB]`), check the server's persistence and warn
+    /// when acknowledged writes can be lost.
+    pub async fn connect(
+        url: &str,
+        opts: RedisOptions,
+        failpoints: Failpoints,
+    ) -> Result<Self, QueueError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| QueueError::Open(format!("`{url}` is not a Redis URL: {e}")))?;
+        // No call waits on the server (claims poll), so a short response timeout only ever
+        // cuts a dead connection.
+        let cfg = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_secs(1));
+        let conn = client
+            .get_connection_manager_with_config(cfg)
+            .await
+            .map_err(|e| QueueError::Open(format!("cannot reach Redis at {url}: {e}")))?;
+        let q = RedisQueue {
+            conn,
+            opts,
+            scripts: Scripts::new(),
+            failpoints,
+            _keep: None,
+        };
+        q.check_persistence(url).await;
+        Ok(q)
+    }
+
+    /// Keep `x` alive as long as the queue (a test's server, say).
+    pub fn keeping(mut self, x: impl std::any::Any + Send + Sync) -> Self {
+        self._keep = Some(Box::new(x));
+        self
+    }
+
+    /// Warn when the server can lose a write it acknowledged; returns the warnings.
+    pub async fn check_persistence(&self, url: &str) -> Vec<String> {
+        let mut c = self.conn.clone();
+        let get = |name: &'static str| {
+            let mut c = c.clone();
+            async move {
+                let v: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+                    .arg("GET")
+                    .arg(name)
+                    .query_async(&mut c)
+                    .await;
+                v.ok().and_then(|v| v.get(1).cloned())
+            }
+        };
+        let aof = get("appendonly").await;
+        let fsync = get("appendfsync").await;
+        let _ = &mut c;
+        let mut warnings = Vec::new();
+        match (aof.as_deref(), fsync.as_deref()) {
+            (None, _) => warnings.push(format!(
+                "cannot read the persistence settings of {url} (CONFIG GET refused); \
+                 make sure it runs with appendonly yes and appendfsync always"
+            )),
+            (Some("yes"), Some("always")) => {}
+            (Some("yes"), f) => warnings.push(format!(
+                "{url} runs with appendfsync {}: a crash of the server can lose up to a second \
+                 of events weir already acknowledged; set appendfsync always",
+                f.unwrap_or("?")
+            )),
+            (Some(_), _) => warnings.push(format!(
+                "{url} runs without the append-only file: a restart of the server loses events \
+                 weir already acknowledged; set appendonly yes and appendfsync always"
+            )),
+        }
+        for w in &warnings {
+            tracing::warn!("{w}");
+        }
+        warnings
+    }
+
+    fn prefix_of(&self, flow: &str) -> String {
+        keys::prefix(&self.opts.namespace, keys::shard_of(flow, self.opts.shards))
+    }
+
+    fn prefixes(&self) -> Vec<String> {
+        (0..self.opts.shards.max(1))
+            .map(|k| keys::prefix(&self.opts.namespace, k))
+            .collect()
+    }
+
+    /// Run a script in shard `p` (its stream key routes it to the right node of a cluster).
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        p: &str,
+        args: &[&dyn RedisArg],
+    ) -> Result<T, QueueError> {
+        let mut inv = script.prepare_invoke();
+        inv.key(keys::stream(p)).arg(p).arg(now_ms().to_string());
+        for a in args {
+            a.push(&mut inv);
+        }
+        let mut c = self.conn.clone();
+        inv.invoke_async(&mut c).await.map_err(unavailable)
+    }
+
+    async fn record(&self, p: &str, id: &str) -> Result<Option<ItemView>, QueueError> {
+        let mut c = self.conn.clone();
+        let h: HashMap<String, String> = c.hgetall(keys::item(p, id)).await.map_err(unavailable)?;
+        if h.is_empty() {
+            return Ok(None);
+        }
+        view(&h).map(Some)
+    }
+
+    /// Find an item's record in whichever shard holds it.
+    async fn find(&self, id: Ulid) -> Result<Option<(String, ItemView)>, QueueError> {
+        let id = id.to_string();
+        for p in self.prefixes() {
+            if let Some(v) = self.record(&p, &id).await? {
+                return Ok(Some((p, v)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// An operator's script on one item, answering `ok` or the state that refused it.
+    async fn on_item(
+        &self,
+        script: &Script,
+        id: Ulid,
+        extra: Option<String>,
+        refuse: impl Fn(&str) -> QueueError,
+    ) -> Result<(), QueueError> {
+        let Some((p, _)) = self.find(id).await? else {
+            return Err(QueueError::NotFound(id));
+        };
+        let ids = id.to_string();
+        let r: String = match &extra {
+            Some(x) => self.run(script, &p, &[&ids, x]).await?,
+            None => self.run(script, &p, &[&ids]).await?,
+        };
+        match r.as_str() {
+            "ok" => Ok(()),
+            "missing" => Err(QueueError::NotFound(id)),
+            st => Err(refuse(st)),
+        }
+    }
+}
+
+/// Something a script takes as an argument.
+trait RedisArg: Sync {
+    fn push(&self, inv: &mut redis::ScriptInvocation<'_>);
+}
+
+impl RedisArg for String {
+    fn push(&self, inv: &mut redis::ScriptInvocation<'_>) {
+        inv.arg(self.as_str());
+    }
+}
+
+impl RedisArg for &str {
+    fn push(&self, inv: &mut redis::ScriptInvocation<'_>) {
+        inv.arg(*self);
+    }
+}
+
+impl RedisArg for usize {
+    fn push(&self, inv: &mut redis::ScriptInvocation<'_>) {
+        inv.arg(*self);
+    }
+}
+
+fn field<'a>(h: &'a HashMap<String, String>, k: &str) -> Option<&'a str> {
+    h.get(k).map(String::as_str)
+}
+
+fn num(h: &HashMap<String, String>, k: &str) -> i64 {
+    field(h, k).and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// An item record as the operator sees it.
+fn view(h: &HashMap<String, String>) -> Result<ItemView, QueueError> {
+    let body = field(h, "body").ok_or_else(|| corrupt("an item record without a body"))?;
+    let mut item: WorkItem = serde_json::from_str(body).map_err(corrupt)?;
+    item.deliveries = num(h, "deliveries") as u32;
+    item.not_before = field(h, "due").and_then(|d| d.parse().ok());
+    let text = |k| field(h, k).unwrap_or_default().to_string();
+    let state = match field(h, "st").unwrap_or_default() {
+        "waiting" => ItemState::Waiting,
+        "in_flight" => ItemState::InFlight {
+            consumer: text("consumer"),
+            since: num(h, "since"),
+        },
+        "delayed" => ItemState::Delayed { due: num(h, "due") },
+        "parked" => ItemState::Parked,
+        "dead" => ItemState::Dead {
+            reason: text("reason"),
+            at: num(h, "at"),
+        },
+        "finished" => ItemState::Finished {
+            outcome: text("reason"),
+            at: num(h, "at"),
+        },
+        other => return Err(corrupt(format!("unknown item state `{other}`"))),
+    };
+    Ok(ItemView { item, state })
+}
+
+fn done_field(key: &DoneKey) -> String {
+    format!("{}/{}", key.node, key.position)
+}
+
+#[async_trait::async_trait]
+impl StateRead for RedisQueue {
+    async fn read(&self, key: &StateKey) -> Result<Versioned, StateError> {
+        let p = self.prefix_of(&key.flow);
+        let mut c = self.conn.clone();
+        let (value, version): (Option<String>, Option<u64>) = redis::pipe()
+            .hget(keys::state(&p, &key.flow, &key.node), &key.key)
+            .hget(keys::versions(&p, &key.flow, &key.node), &key.key)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| StateError(e.to_string()))?;
+        Ok(Versioned {
+            value: value
+                .map(|v| serde_json::from_str(&v))
+                .transpose()
+                .map_err(|e| StateError(e.to_string()))?,
+            version: version.unwrap_or(0),
+        })
+    }
+
+    async fn read_node(
+        &self,
+        flow: &str,
+        node: &str,
+    ) -> Result<Vec<(String, Versioned)>, StateError> {
+        let p = self.prefix_of(flow);
+        let mut c = self.conn.clone();
+        let (values, versions): (HashMap<String, String>, HashMap<String, u64>) = redis::pipe()
+            .hgetall(keys::state(&p, flow, node))
+            .hgetall(keys::versions(&p, flow, node))
+            .query_async(&mut c)
+            .await
+            .map_err(|e| StateError(e.to_string()))?;
+        values
+            .into_iter()
+            .map(|(k, v)| {
+                let version = versions.get(&k).copied().unwrap_or(0);
+                let value = serde_json::from_str(&v).map_err(|e| StateError(e.to_string()))?;
+                Ok((
+                    k,
+                    Versioned {
+                        value: Some(value),
+                        version,
+                    },
+                ))
+            })
+            .collect()
+    }
+}
+
+fn full(n: i64) -> QueueError {
+    QueueError::Full(n.max(0) as usize)
+}
+
+#[async_trait::async_trait]
+impl WorkQueue for RedisQueue {
+    fn durable(&self) -> bool {
+        true
+    }
+
+    async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
+        // One script per shard: a batch is all-or-nothing within a shard (one shard by
+        // default; a trigger's batch is one flow's, so one shard).
+        let mut by_shard: HashMap<String, Vec<&WorkItem>> = HashMap::new();
+        for it in &items {
+            by_shard
+                .entry(self.prefix_of(&it.flow))
+                .or_default()
+                .push(it);
+        }
+        for (p, its) in by_shard {
+            let recs = its
+                .iter()
+                .map(|i| rec(i, None))
+                .collect::<Result<Vec<_>, _>>()?;
+            let payload = serde_json::to_string(&recs).map_err(corrupt)?;
+            let (r, n): (String, i64) = self
+                .run(&self.scripts.add, &p, &[&self.opts.max_ready, &payload])
+                .await?;
+            if r == "full" {
+                return Err(full(n));
+            }
+        }
+        Ok(())
+    }
+
+    async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
+        let p = self.prefix_of(&item.flow);
+        let payload = serde_json::to_string(&rec(&item, None)?).map_err(corrupt)?;
+        let (r, v): (String, String) = self
+            .run(
+                &self.scripts.add_idempotent,
+                &p,
+                &[
+                    &keys::idempotency(&p, key),
+                    &IDEMPOTENCY_TTL_SECS.to_string(),
+                    &self.opts.max_ready,
+                    &payload,
+                ],
+            )
+            .await?;
+        match r.as_str() {
+            "full" => Err(full(v.parse().unwrap_or(0))),
+            "old" => Ok((Ulid::from_string(&v).map_err(corrupt)?, false)),
+            _ => Ok((item.id, true)),
+        }
+    }
+
+    async fn add_tick(
+        &self,
+        key: &StateKey,
+        tick: i64,
+        item: WorkItem,
+    ) -> Result<bool, QueueError> {
+        let p = self.prefix_of(&key.flow);
+        let payload = serde_json::to_string(&rec(&item, None)?).map_err(corrupt)?;
+        let r: i64 = self
+            .run(
+                &self.scripts.add_tick,
+                &p,
+                &[
+                    &keys::state(&p, &key.flow, &key.node),
+                    &keys::versions(&p, &key.flow, &key.node),
+                    &key.key.as_str(),
+                    &tick.to_string(),
+                    &payload,
+                ],
+            )
+            .await?;
+        Ok(r == 1)
+    }
+
+    async fn claim(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Claimed>, QueueError> {
+        // Claims poll (a script cannot block): quickly at first, then less often.
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let mut out = Vec::new();
+            for p in self.prefixes() {
+                if out.len() >= max {
+                    break;
+                }
+                let rows: Vec<(String, u32, u64, String, String)> = self
+                    .run(&self.scripts.claim, &p, &[&consumer, &(max - out.len())])
+                    .await?;
+                for (_, deliveries, lease, stepped, body) in rows {
+                    let mut item: WorkItem = serde_json::from_str(&body).map_err(corrupt)?;
+                    item.deliveries = deliveries;
+                    item.not_before = None;
+                    out.push(Claimed {
+                        item,
+                        lease,
+                        consumer: consumer.to_string(),
+                        stepped: stepped == "1",
+                    });
+                }
+            }
+            if !out.is_empty() || tokio::time::Instant::now() >= deadline {
+                return Ok(out);
+            }
+            let left = deadline - tokio::time::Instant::now();
+            tokio::time::sleep(pause.min(left)).await;
+            pause = (pause * 2).min(Duration::from_millis(25));
+        }
+    }
+
+    async fn commit(&self, claimed: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
+        let item = &claimed.item;
+        let p = self.prefix_of(&item.flow);
+        let (kind, reason) = match fx.end.clone().unwrap_or(End::Ack) {
+            End::Ack => ("ack", fx.outcome.clone().unwrap_or_else(|| "done".into())),
+            End::Superseded => ("ack", "superseded by a newer timer".into()),
+            End::DeadLetter(r) => ("dead", r),
+            End::Park => ("park", String::new()),
+        };
+        let mut items = Vec::new();
+        for it in fx.follow_ups.iter().chain(&fx.delayed) {
+            items.push(rec(it, None)?);
+        }
+        let mut dead = Vec::new();
+        for (it, why) in &fx.dead {
+            dead.push(rec(it, Some(why))?);
+        }
+        let state = fx
+            .state
+            .iter()
+            .map(|w| {
+                let p = self.prefix_of(&w.key.flow);
+                Ok(serde_json::json!({
+                    "hk": keys::state(&p, &w.key.flow, &w.key.node),
+                    "vk": keys::versions(&p, &w.key.flow, &w.key.node),
+                    "key": w.key.key,
+                    "read": w.read_version,
+                    "del": w.value.is_none(),
+                    "value": w.value.as_ref().map(serde_json::to_string).transpose().map_err(corrupt)?.unwrap_or_default(),
+                }))
+            })
+            .collect::<Result<Vec<_>, QueueError>>()?;
+        let guards = fx
+            .guards
+            .iter()
+            .map(|(k, want)| {
+                let p = self.prefix_of(&k.flow);
+                Ok(serde_json::json!({
+                    "hk": keys::state(&p, &k.flow, &k.node),
+                    "key": k.key,
+                    "want": serde_json::to_string(want).map_err(corrupt)?,
+                }))
+            })
+            .collect::<Result<Vec<_>, QueueError>>()?;
+        let fail = self.failpoints.hit("commit");
+        let reply_lost = self.failpoints.hit("commit-reply-lost");
+        let payload = serde_json::json!({
+            "kind": kind, "reason": reason, "items": items, "dead": dead,
+            "state": state, "guards": guards, "fail": fail,
+        });
+        let payload = serde_json::to_string(&payload).map_err(corrupt)?;
+        let r: String = self
+            .run(
+                &self.scripts.commit,
+                &p,
+                &[
+                    &item.id.to_string(),
+                    &claimed.lease.to_string(),
+                    &item.flow.as_str(),
+                    &payload,
+                ],
+            )
+            .await?;
+        if reply_lost {
+            return Err(QueueError::Unavailable(
+                "failpoint `commit-reply-lost` fired (the commit went through)".into(),
+            ));
+        }
+        Ok(if r == "done" {
+            Committed::Done
+        } else {
+            Committed::Conflict
+        })
+    }
+
+    async fn reclaim_stale(&self, min_idle: Duration) -> Result<usize, QueueError> {
+        let mut n = 0;
+        let idle = (min_idle.as_millis() as u64).to_string();
+        for p in self.prefixes() {
+            let mut cursor = "0-0".to_string();
+            for _ in 0..RECLAIM_ROUNDS {
+                let (got, next): (usize, String) = self
+                    .run(
+                        &self.scripts.reclaim,
+                        &p,
+                        &[&"weir-reclaimer", &idle, &cursor, &RECLAIM_BATCH],
+                    )
+                    .await?;
+                n += got;
+                if next == "0-0" {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(n)
+    }
+
+    async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
+        let mut n = 0;
+        let now = now.to_string();
+        for p in self.prefixes() {
+            let got: usize = self
+                .run(&self.scripts.move_due, &p, &[&now, &PROMOTE_BATCH])
+                .await?;
+            n += got;
+        }
+        Ok(n)
+    }
+
+    async fn next_due(&self) -> Result<Option<i64>, QueueError> {
+        let mut best: Option<i64> = None;
+        let mut c = self.conn.clone();
+        for p in self.prefixes() {
+            let first: Vec<(String, f64)> = c
+                .zrange_withscores(keys::delayed(&p), 0, 0)
+                .await
+                .map_err(unavailable)?;
+            if let Some((_, t)) = first.first() {
+                let t = *t as i64;
+                best = Some(best.map_or(t, |b| b.min(t)));
+            }
+        }
+        Ok(best)
+    }
+
+    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
+        let key = keys::paused(&self.prefix_of(flow));
+        let mut c = self.conn.clone();
+        if paused {
+            c.sadd::<_, _, ()>(key, flow).await.map_err(unavailable)
+        } else {
+            c.srem::<_, _, ()>(key, flow).await.map_err(unavailable)
+        }
+    }
+
+    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
+        let mut c = self.conn.clone();
+        c.sismember(keys::paused(&self.prefix_of(flow)), flow)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
+        self.run(&self.scripts.unpark, &self.prefix_of(flow), &[&flow])
+            .await
+    }
+
+    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
+        let r: Option<String> = self
+            .run(&self.scripts.unpark_one, &self.prefix_of(flow), &[&flow])
+            .await?;
+        r.map(|id| Ulid::from_string(&id).map_err(corrupt))
+            .transpose()
+    }
+
+    async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
+        self.run(&self.scripts.clear_flow, &self.prefix_of(flow), &[&flow])
+            .await
+    }
+
+    async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
+        let p = self.prefix_of(&key.flow);
+        let k = keys::done(&p, &key.item.to_string());
+        let v = serde_json::to_string(&outputs).map_err(corrupt)?;
+        let mut c = self.conn.clone();
+        redis::pipe()
+            .hset(&k, done_field(&key), v)
+            .ignore()
+            .expire(&k, DONE_TTL_SECS)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn was_done(&self, key: &DoneKey) -> Result<Option<Vec<Vec<Message>>>, QueueError> {
+        let p = self.prefix_of(&key.flow);
+        let mut c = self.conn.clone();
+        let v: Option<String> = c
+            .hget(keys::done(&p, &key.item.to_string()), done_field(key))
+            .await
+            .map_err(unavailable)?;
+        v.map(|v| serde_json::from_str(&v).map_err(corrupt))
+            .transpose()
+    }
+
+    async fn post_reply(&self, id: Ulid, reply: Reply) -> Result<(), QueueError> {
+        let k = keys::reply(&self.opts.namespace, &id.to_string());
+        let v = serde_json::to_string(&reply).map_err(corrupt)?;
+        let mut c = self.conn.clone();
+        redis::pipe()
+            .rpush(&k, v)
+            .ignore()
+            .expire(&k, REPLY_TTL_SECS)
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
+        // Polled rather than BLPOP: a blocking read would hold a connection per waiter.
+        let k = keys::reply(&self.opts.namespace, &id.to_string());
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut pause = Duration::from_millis(2);
+        let mut c = self.conn.clone();
+        loop {
+            let v: Option<String> = c.lpop(&k, None).await.map_err(unavailable)?;
+            if let Some(v) = v {
+                return serde_json::from_str(&v).map(Some).map_err(corrupt);
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(pause.min(deadline - now)).await;
+            pause = (pause * 2).min(Duration::from_millis(25));
+        }
+    }
+
+    async fn stats(&self) -> Result<Stats, QueueError> {
+        let mut s = Stats {
+            durable: true,
+            ..Default::default()
+        };
+        let now = now_ms();
+        for p in self.prefixes() {
+            let (ready, in_flight, delayed, parked, dead, enq, evicted): (
+                i64,
+                i64,
+                i64,
+                i64,
+                i64,
+                String,
+                u64,
+            ) = self.run(&self.scripts.stats, &p, &[]).await?;
+            s.ready += ready.max(0) as usize;
+            s.in_flight += in_flight.max(0) as usize;
+            s.delayed += delayed.max(0) as usize;
+            s.parked += parked.max(0) as usize;
+            s.dead += dead.max(0) as usize;
+            s.dead_evicted += evicted;
+            if let Ok(t) = enq.parse::<i64>() {
+                let age = now - t;
+                s.oldest_pending_age_ms = Some(s.oldest_pending_age_ms.map_or(age, |a| a.max(age)));
+            }
+        }
+        Ok(s)
+    }
+
+    async fn dead_letters(&self, n: usize) -> Result<Vec<ItemView>, QueueError> {
+        let mut out = Vec::new();
+        let mut c = self.conn.clone();
+        for p in self.prefixes() {
+            let newest: redis::streams::StreamRangeReply = c
+                .xrevrange_count(keys::dead(&p), "+", "-", n)
+                .await
+                .map_err(unavailable)?;
+            for e in newest.ids {
+                let Some(id) = e.get::<String>("id") else {
+                    continue;
+                };
+                if let Some(v) = self.record(&p, &id).await? {
+                    out.push(v);
+                }
+            }
+        }
+        let at = |v: &ItemView| match v.state {
+            ItemState::Dead { at, .. } => at,
+            _ => 0,
+        };
+        out.sort_by(|a, b| at(b).cmp(&at(a)).then(b.item.id.cmp(&a.item.id)));
+        out.truncate(n);
+        Ok(out)
+    }
+
+    async fn get(&self, id: Ulid) -> Result<Option<ItemView>, QueueError> {
+        Ok(self.find(id).await?.map(|(_, v)| v))
+    }
+
+    async fn list(&self, f: ListFilter) -> Result<Vec<ItemView>, QueueError> {
+        let limit = if f.limit == 0 { 100 } else { f.limit };
+        let mut out = Vec::new();
+        let mut c = self.conn.clone();
+        let shards = match &f.flow {
+            Some(flow) => vec![self.prefix_of(flow)],
+            None => self.prefixes(),
+        };
+        for p in shards {
+            let mut from = f
+                .after
+                .map(|a| format!("({a}"))
+                .unwrap_or_else(|| "-".into());
+            let mut taken = 0;
+            // Pages of ids in ULID order, filtered, until enough match (bounded).
+            for _ in 0..1000 {
+                let ids: Vec<String> = c
+                    .zrangebylex_limit(keys::index(&p), &from, "+", 0, 200)
+                    .await
+                    .map_err(unavailable)?;
+                let Some(last) = ids.last().cloned() else {
+                    break;
+                };
+                for id in &ids {
+                    if let Some(v) = self.record(&p, id).await? {
+                        let flow_ok = f.flow.as_ref().is_none_or(|fl| *fl == v.item.flow);
+                        let state_ok = f.state.as_ref().is_none_or(|s| s == v.state.name());
+                        if flow_ok && state_ok {
+                            out.push(v);
+                            taken += 1;
+                        }
+                    } else {
+                        // The record was pruned; drop its id from the index too.
+                        let _: () = c.zrem(keys::index(&p), id).await.map_err(unavailable)?;
+                    }
+                    if taken >= limit {
+                        break;
+                    }
+                }
+                if taken >= limit {
+                    break;
+                }
+                from = format!("({last}");
+            }
+        }
+        out.sort_by_key(|v| v.item.id);
+        out.truncate(limit);
+        Ok(out)
+    }
+
+    async fn cancel(&self, id: Ulid) -> Result<(), QueueError> {
+        self.on_item(&self.scripts.cancel, id, None, |st| match st {
+            "in_flight" => {
+                QueueError::Conflict(format!("item {id} is in flight; it ends with its wave"))
+            }
+            "dead" => {
+                QueueError::Conflict(format!("item {id} is a dead letter: discard or replay it"))
+            }
+            _ => QueueError::Conflict(format!("item {id} has finished")),
+        })
+        .await
+    }
+
+    async fn replay(&self, id: Ulid) -> Result<Ulid, QueueError> {
+        let Some((_, v)) = self.find(id).await? else {
+            return Err(QueueError::NotFound(id));
+        };
+        let item = v.item.replayed();
+        let new_id = item.id;
+        let payload = serde_json::to_string(&rec(&item, None)?).map_err(corrupt)?;
+        self.on_item(&self.scripts.replay, id, Some(payload), |_| {
+            QueueError::Conflict(format!("item {id} is not a dead letter"))
+        })
+        .await?;
+        Ok(new_id)
+    }
+
+    async fn discard(&self, id: Ulid) -> Result<(), QueueError> {
+        self.on_item(&self.scripts.discard, id, None, |_| {
+            QueueError::Conflict(format!("item {id} is not a dead letter"))
+        })
+        .await
+    }
+}

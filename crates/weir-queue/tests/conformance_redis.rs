@@ -1,0 +1,28 @@
+//! Every conformance case against the Redis backend, each on its own redis-server.
+use std::sync::Arc;
+use weir_queue::testing::RedisServer;
+use weir_queue::{RedisOptions, RedisQueue, WorkQueue};
+
+weir_queue::conformance_tests!(|fp| async move {
+    let server = RedisServer::start();
+    let q = RedisQueue::connect(&server.url(), RedisOptions::default(), fp)
+        .await
+        .expect("connect to the test's redis-server");
+    Arc::new(q.keeping(server)) as Arc<dyn WorkQueue>
+});
+
+/// The same cases with the keys spread over three shards.
+mod sharded {
+    use super::*;
+    weir_queue::conformance_tests!(|fp| async move {
+        let server = RedisServer::start();
+        let opts = RedisOptions {
+            shards: 3,
+            ..RedisOptions::default()
+        };
+        let q = RedisQueue::connect(&server.url(), opts, fp)
+            .await
+            .expect("connect to the test's redis-server");
+        Arc::new(q.keeping(server)) as Arc<dyn WorkQueue>
+    });
+}
