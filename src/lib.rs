@@ -24,7 +24,13 @@ pub fn test_exec() -> ExecConfig {
 
 /// Start an engine on 127.0.0.1 with a free port, on the memory queue.
 pub async fn start(flows: &[(&str, &str)], fp: Failpoints) -> RunningEngine {
+    start_on("memory", flows, fp).await
+}
+
+/// Start an engine on 127.0.0.1 with a free port, on the queue `url` names.
+pub async fn start_on(url: &str, flows: &[(&str, &str)], fp: Failpoints) -> RunningEngine {
     let mut b = Engine::builder()
+        .queue_url(url)
         .http(SocketAddr::from(([127, 0, 0, 1], 0)))
         .exec_config(test_exec())
         .failpoints(fp);

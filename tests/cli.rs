@@ -14,12 +14,16 @@ fn free_port() -> u16 {
 #[tokio::test]
 async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
     let port = free_port();
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
     let mut child = Command::new(weir_testkit::weir_bin())
         .args([
             "run",
             concat!(env!("CARGO_MANIFEST_DIR"), "/flows"),
             "--http",
             &format!("127.0.0.1:{port}"),
+            "--queue",
+            &queue,
             "--grace",
             "5",
         ])
@@ -47,7 +51,19 @@ async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("\"durable\": false"));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("\"durable\": true"),
+        "the default queue is durable"
+    );
+    // A second engine on the same queue file refuses to start, and says why.
+    let second = Command::new(weir_testkit::weir_bin())
+        .args(["run", concat!(env!("CARGO_MANIFEST_DIR"), "/flows")])
+        .args(["--http", &format!("127.0.0.1:{}", free_port()), "--queue", &queue])
+        .output()
+        .unwrap();
+    assert_eq!(second.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(err.contains("in use by another weir engine"), "{err}");
     let kill = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()

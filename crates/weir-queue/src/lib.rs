@@ -289,3 +289,59 @@ pub trait WorkQueue: StateRead + Send + Sync {
     /// Drop a dead letter, keeping a record ("discarded by hand").
     async fn discard(&self, id: Ulid) -> Result<(), QueueError>;
 }
+
+/// The queue a URL names: `memory`, `sqlite:PATH` (or a path ending in `.db`), or
+/// `redis://HOST:PORT[/DB]` (`rediss://` for TLS), optionally with `?ns=NAME&shards=N`.
+pub async fn open(
+    url: &str,
+    failpoints: Failpoints,
+) -> Result<std::sync::Arc<dyn WorkQueue>, QueueError> {
+    use std::sync::Arc;
+    let url = url.trim();
+    if url == "memory" {
+        return Ok(Arc::new(MemoryQueue::with_limits(100_000, failpoints)));
+    }
+    if let Some(path) = url
+        .strip_prefix("sqlite:")
+        .or_else(|| url.ends_with(".db").then_some(url))
+    {
+        let path = path.strip_prefix("//").unwrap_or(path);
+        if path.is_empty() {
+            return Err(QueueError::Open(
+                "`sqlite:` needs a path, as in sqlite:weir-data/queue.db".into(),
+            ));
+        }
+        return Ok(Arc::new(SqliteQueue::open(path, failpoints)?));
+    }
+    if url.starts_with("redis://") || url.starts_with("rediss://") {
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let mut opts = RedisOptions::default();
+        let mut rest = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("ns", v)) if !v.is_empty() => opts.namespace = v.to_string(),
+                Some(("shards", v)) => {
+                    opts.shards = v
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=1024).contains(n))
+                        .ok_or_else(|| {
+                            QueueError::Open(format!(
+                                "`shards={v}` in {base}: a number from 1 to 1024"
+                            ))
+                        })?
+                }
+                _ => rest.push(pair),
+            }
+        }
+        let url = if rest.is_empty() {
+            base.to_string()
+        } else {
+            format!("{base}?{}", rest.join("&"))
+        };
+        return Ok(Arc::new(RedisQueue::connect(&url, opts, failpoints).await?));
+    }
+    Err(QueueError::Open(format!(
+        "`{url}` names no queue backend: use memory, sqlite:PATH or redis://HOST:PORT"
+    )))
+}

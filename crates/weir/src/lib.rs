@@ -47,14 +47,25 @@ pub enum EngineError {
     },
     #[error("{0}")]
     Config(String),
+    #[error("{0}")]
+    Queue(#[from] weir_queue::QueueError),
 }
+
+/// The queue the engine runs on: one given by the embedder, or one a URL names.
+enum QueueChoice {
+    Given(Arc<dyn WorkQueue>),
+    Url(String),
+}
+
+/// Where `weir run` and an engine built without a queue keep their work: durable, no server.
+pub const DEFAULT_QUEUE: &str = "sqlite:weir-data/queue.db";
 
 /// Builds an [`Engine`]: flows, queue, HTTP address, node types, executor settings.
 pub struct EngineBuilder {
     library: Library,
     paths: Vec<PathBuf>,
     sources: Vec<(String, String)>,
-    queue: Option<Arc<dyn WorkQueue>>,
+    queue: QueueChoice,
     http: SocketAddr,
     exec: ExecConfig,
     failpoints: Failpoints,
@@ -73,8 +84,16 @@ impl EngineBuilder {
         self
     }
 
+    /// Run on this queue.
     pub fn queue(mut self, q: Arc<dyn WorkQueue>) -> Self {
-        self.queue = Some(q);
+        self.queue = QueueChoice::Given(q);
+        self
+    }
+
+    /// Run on the queue `url` names (`memory`, `sqlite:PATH`, `redis://HOST:PORT`), opened
+    /// when the engine starts. The default is [`DEFAULT_QUEUE`].
+    pub fn queue_url(mut self, url: impl Into<String>) -> Self {
+        self.queue = QueueChoice::Url(url.into());
         self
     }
 
@@ -111,11 +130,8 @@ impl EngineBuilder {
                 return Err(EngineError::Config(format!("duplicate flow id `{}`", f.id)));
             }
         }
-        let queue = self.queue.unwrap_or_else(|| {
-            Arc::new(MemoryQueue::with_limits(100_000, self.failpoints.clone()))
-        });
         Ok(Engine {
-            queue,
+            queue: self.queue,
             flows: Arc::new(Flows::new(flows)),
             http: self.http,
             exec: self.exec,
@@ -126,7 +142,7 @@ impl EngineBuilder {
 
 /// A configured engine, ready to start.
 pub struct Engine {
-    queue: Arc<dyn WorkQueue>,
+    queue: QueueChoice,
     flows: Arc<Flows>,
     http: SocketAddr,
     exec: ExecConfig,
@@ -150,19 +166,19 @@ impl Engine {
             library: Library::builtin(),
             paths: Vec::new(),
             sources: Vec::new(),
-            queue: None,
+            queue: QueueChoice::Url(DEFAULT_QUEUE.into()),
             http: SocketAddr::from(([127, 0, 0, 1], 8080)),
             exec: ExecConfig::default(),
             failpoints: Failpoints::from_env(),
         }
     }
 
-    pub fn queue(&self) -> Arc<dyn WorkQueue> {
-        self.queue.clone()
-    }
-
-    /// Bind the HTTP address and start the executor and the triggers.
+    /// Open the queue, bind the HTTP address, start the executor and the triggers.
     pub async fn start(self) -> Result<RunningEngine, EngineError> {
+        let queue = match self.queue {
+            QueueChoice::Given(q) => q,
+            QueueChoice::Url(url) => weir_queue::open(&url, self.failpoints.clone()).await?,
+        };
         let listener = tokio::net::TcpListener::bind(self.http)
             .await
             .map_err(|source| EngineError::Bind {
@@ -173,23 +189,23 @@ impl Engine {
             addr: self.http,
             source,
         })?;
-        if !self.queue.durable() {
+        if !queue.durable() {
             tracing::warn!("the queue is in memory: accepted events are lost if the process stops");
         }
         let stop = CancellationToken::new();
         let intake = Intake::open();
         let tracker = TaskTracker::new();
         let executor = Executor::new(
-            self.queue.clone(),
+            queue.clone(),
             self.flows.clone(),
             self.exec.clone(),
             self.failpoints.clone(),
         );
         let ex_stop = stop.clone();
         tracker.spawn(async move { executor.run(ex_stop).await });
-        weir_triggers::cron::spawn_all(self.queue.clone(), &self.flows, &tracker, stop.clone());
-        let app = weir_triggers::webhook::router(self.queue.clone(), &self.flows, intake.clone())
-            .merge(admin::router(self.queue.clone(), self.flows.clone()))
+        weir_triggers::cron::spawn_all(queue.clone(), &self.flows, &tracker, stop.clone());
+        let app = weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone())
+            .merge(admin::router(queue.clone(), self.flows.clone()))
             .layer(axum::extract::DefaultBodyLimit::disable());
         let http_done = CancellationToken::new();
         let http_stop = http_done.clone();
@@ -203,10 +219,10 @@ impl Engine {
             }
         });
         let flows: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
-        tracing::info!(%addr, ?flows, durable = self.queue.durable(), "weir engine started");
+        tracing::info!(%addr, ?flows, durable = queue.durable(), "weir engine started");
         Ok(RunningEngine {
             addr,
-            queue: self.queue,
+            queue,
             stop,
             intake,
             tracker,

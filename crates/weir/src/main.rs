@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use weir::{Engine, Library};
 
@@ -26,8 +26,9 @@ enum Cmd {
         /// Folder (or file) of flows.
         #[arg(default_value = "flows")]
         flows: PathBuf,
-        /// Queue backend: `memory` (more arrive with the durable backends).
-        #[arg(long, env = "WEIR_QUEUE", default_value = "memory")]
+        /// Queue backend: `sqlite:PATH` (durable, no server), `redis://HOST:PORT[/DB]`
+        /// (several engines share it; `?shards=N&ns=NAME`), or `memory` (lost on exit).
+        #[arg(long, env = "WEIR_QUEUE", default_value = weir::DEFAULT_QUEUE)]
         queue: String,
         /// Address for webhooks and the admin API.
         #[arg(long, env = "WEIR_HTTP", default_value = "127.0.0.1:8080")]
@@ -145,15 +146,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             http,
             grace,
         } => {
-            if queue != "memory" {
-                bail!("queue `{queue}`: this build has the `memory` backend only");
-            }
             let cfg = weir::weir_exec::ExecConfig {
                 shutdown_grace: std::time::Duration::from_secs(grace),
                 ..Default::default()
             };
             let engine = Engine::builder()
                 .flows_dir(&flows)
+                .queue_url(queue)
                 .http(http)
                 .exec_config(cfg)
                 .build()?;
