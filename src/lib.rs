@@ -50,13 +50,15 @@ pub struct Sink {
     pub addr: SocketAddr,
     got: Arc<Mutex<Vec<(Instant, Value)>>>,
     fail_with: Arc<Mutex<Vec<u16>>>,
+    slow: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Sink {
     pub async fn start() -> Sink {
         let got = Arc::new(Mutex::new(Vec::new()));
         let fail_with = Arc::new(Mutex::new(Vec::new()));
-        let state = (got.clone(), fail_with.clone());
+        let slow = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let state = (got.clone(), fail_with.clone(), slow.clone());
         let app = Router::new()
             .route("/{*path}", post(record))
             .with_state(state);
@@ -69,7 +71,13 @@ impl Sink {
             addr,
             got,
             fail_with,
+            slow,
         }
+    }
+
+    /// Take `ms` milliseconds over each answer (so that calls are in flight for a while).
+    pub fn answer_after(&self, ms: u64) {
+        self.slow.store(ms, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -99,12 +107,20 @@ impl Sink {
     }
 }
 
-type SinkState = (Arc<Mutex<Vec<(Instant, Value)>>>, Arc<Mutex<Vec<u16>>>);
+type SinkState = (
+    Arc<Mutex<Vec<(Instant, Value)>>>,
+    Arc<Mutex<Vec<u16>>>,
+    Arc<std::sync::atomic::AtomicU64>,
+);
 
 async fn record(
-    State((got, fail)): State<SinkState>,
+    State((got, fail, slow)): State<SinkState>,
     Json(body): Json<Value>,
 ) -> (axum::http::StatusCode, Json<Value>) {
+    let ms = slow.load(std::sync::atomic::Ordering::Relaxed);
+    if ms > 0 {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     let status = {
         let mut f = fail.lock().unwrap();
         if f.is_empty() {
@@ -183,4 +199,104 @@ pub fn weir_bin() -> std::path::PathBuf {
         assert!(status.success(), "building the weir binary failed");
     }
     bin
+}
+
+/// A `weir run` process this test owns, on a free port; killed by PID when dropped.
+pub struct WeirProcess {
+    pub base: String,
+    child: std::process::Child,
+}
+
+impl WeirProcess {
+    /// `weir run FLOWS --queue QUEUE` with extra arguments; waits until it answers /healthz.
+    pub async fn start(flows: &std::path::Path, queue: &str, extra: &[&str]) -> WeirProcess {
+        let port = weir_queue::testing::free_port();
+        let log = std::env::temp_dir().join(format!("weir-test-{port}.log"));
+        let child = std::process::Command::new(weir_bin())
+            .arg("run")
+            .arg(flows)
+            .args(["--queue", queue, "--http", &format!("127.0.0.1:{port}")])
+            .args(["--grace", "5"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("weir starts");
+        let mut p = WeirProcess {
+            base: format!("http://127.0.0.1:{port}"),
+            child,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if reqwest::get(format!("{}/healthz", p.base)).await.is_ok() {
+                return p;
+            }
+            if let Ok(Some(status)) = p.child.try_wait() {
+                panic!(
+                    "weir exited with {status} before it served; log:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "weir did not come up; see {}",
+                log.display()
+            );
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+
+    /// SIGKILL, as a crash would; waits until the process is gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for a clean exit (code 0) within `within`.
+    pub async fn stop(mut self, within: Duration) -> Option<i32> {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return s.code();
+            }
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        self.kill();
+        None
+    }
+
+    pub async fn stats(&self) -> Value {
+        reqwest::get(format!("{}/api/stats", self.base))
+            .await
+            .expect("engine answers")
+            .json()
+            .await
+            .expect("JSON")
+    }
+
+    /// POST a JSON body to webhook `path`; the status and the answer's body.
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        match reqwest::Client::new()
+            .post(format!("{}/hooks/{path}", self.base))
+            .json(body)
+            .send()
+            .await
+        {
+            Ok(r) => {
+                let status = r.status().as_u16();
+                (status, r.json().await.unwrap_or(Value::Null))
+            }
+            Err(_) => (0, Value::Null),
+        }
+    }
+}
+
+impl Drop for WeirProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }

@@ -58,7 +58,12 @@ async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
     // A second engine on the same queue file refuses to start, and says why.
     let second = Command::new(weir_testkit::weir_bin())
         .args(["run", concat!(env!("CARGO_MANIFEST_DIR"), "/flows")])
-        .args(["--http", &format!("127.0.0.1:{}", free_port()), "--queue", &queue])
+        .args([
+            "--http",
+            &format!("127.0.0.1:{}", free_port()),
+            "--queue",
+            &queue,
+        ])
         .output()
         .unwrap();
     assert_eq!(second.status.code(), Some(1));

@@ -172,9 +172,17 @@ impl Executor {
         let mut dispatchers: HashMap<String, mpsc::UnboundedSender<Job>> = HashMap::new();
         let mut failures: u32 = 0;
         let mut last_reclaim = tokio::time::Instant::now();
-        // Items a previous run of this engine left in flight are taken back at once when the
-        // backend says they cannot belong to anyone alive (single-owner backends), else after
-        // `reclaim_after` like any other engine's.
+        // Items a previous run under this consumer name left in flight are taken back at
+        // once; any other engine's only after `reclaim_after`.
+        match self.queue.recover(&self.cfg.consumer).await {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(count = n, consumer = %self.cfg.consumer, "took back the items an earlier run of this engine left in flight")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not look for items an earlier run left in flight; they come back after the reclaim delay")
+            }
+        }
         loop {
             if shutdown.is_cancelled() {
                 break;

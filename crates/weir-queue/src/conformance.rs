@@ -31,7 +31,8 @@ macro_rules! conformance_tests {
             park_unpark_and_step, park_is_refused_when_flow_not_paused,
             dead_letters_are_listed_replayed_and_discarded, done_markers_live_until_commit,
             idempotency_key_returns_first_id, ticks_are_journaled_once, cancel_by_hand,
-            replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work
+            replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work,
+            recover_frees_only_this_consumers_items
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -502,4 +503,34 @@ pub async fn claim_waits_for_work(q: Q, _fp: Failpoints) {
     adder.await.unwrap();
     let empty = q.claim("a", 1, Duration::from_millis(30)).await.unwrap();
     assert!(empty.is_empty());
+}
+
+pub async fn recover_frees_only_this_consumers_items(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1), item("f", 2)]).await.unwrap();
+    let mine = q.claim("me", 1, Duration::ZERO).await.unwrap().remove(0);
+    let theirs = q.claim("other", 1, Duration::ZERO).await.unwrap().remove(0);
+    let n = q.recover("me").await.unwrap();
+    // A backend that has nothing to recover at start (it did so when it opened) says 0.
+    if n == 0 {
+        return;
+    }
+    assert_eq!(n, 1, "only the items of `me`");
+    let again = q.claim("me", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].item.id, mine.item.id);
+    assert_eq!(again[0].item.deliveries, 2);
+    assert_eq!(
+        q.commit(&mine, WaveEffects::ending(End::Ack))
+            .await
+            .unwrap(),
+        Committed::Conflict,
+        "the dead run's lease is void"
+    );
+    assert_eq!(
+        q.commit(&theirs, WaveEffects::ending(End::Ack))
+            .await
+            .unwrap(),
+        Committed::Done,
+        "another engine's item was left alone"
+    );
 }

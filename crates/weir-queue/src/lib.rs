@@ -254,6 +254,15 @@ pub trait WorkQueue: StateRead + Send + Sync {
     /// Make in-flight items idle longer than `min_idle` claimable again; returns how many.
     async fn reclaim_stale(&self, min_idle: Duration) -> Result<usize, QueueError>;
 
+    /// At start: make claimable at once what an earlier run of this same `consumer` left in
+    /// flight (it died with them). Only sound when no other live engine uses that name.
+    /// Backends whose file one engine holds at a time do this when they open; the default
+    /// does nothing.
+    async fn recover(&self, consumer: &str) -> Result<usize, QueueError> {
+        let _ = consumer;
+        Ok(0)
+    }
+
     /// Promote delayed items due at `now` (ms); returns how many.
     async fn move_due(&self, now: i64) -> Result<usize, QueueError>;
 

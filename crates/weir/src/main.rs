@@ -36,6 +36,15 @@ enum Cmd {
         /// Seconds to finish waves in flight on SIGINT/SIGTERM.
         #[arg(long, default_value_t = 30)]
         grace: u64,
+        /// This engine's name as a consumer of a shared (Redis) queue. A stable name lets a
+        /// restarted engine take back at once what it left in flight; it must be unique among
+        /// the engines sharing the queue. Default: a fresh name each start.
+        #[arg(long, env = "WEIR_CONSUMER")]
+        consumer: Option<String>,
+        /// Seconds an item may sit in flight at another (dead or stalled) engine before this
+        /// one takes it over.
+        #[arg(long, default_value_t = 120)]
+        reclaim_after: u64,
     },
     /// Check flows; exit 1 with `file:line:column: message` for every problem.
     Validate {
@@ -145,11 +154,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             queue,
             http,
             grace,
+            consumer,
+            reclaim_after,
         } => {
-            let cfg = weir::weir_exec::ExecConfig {
+            let mut cfg = weir::weir_exec::ExecConfig {
                 shutdown_grace: std::time::Duration::from_secs(grace),
+                reclaim_after: std::time::Duration::from_secs(reclaim_after.max(1)),
                 ..Default::default()
             };
+            if let Some(c) = consumer {
+                cfg.consumer = c;
+            }
             let engine = Engine::builder()
                 .flows_dir(&flows)
                 .queue_url(queue)

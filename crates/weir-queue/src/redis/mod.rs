@@ -173,6 +173,27 @@ end
 return {n, res[1]}
 "#;
 
+const RECOVER: &str = r#"
+local n = 0
+local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
+if type(p) == 'table' and p.err then return 0 end
+for _, e in ipairs(p) do
+  local eid = e[1]
+  local r = redis.call('XRANGE', STREAM, eid, eid)[1]
+  redis.call('XACK', STREAM, G, eid)
+  redis.call('XDEL', STREAM, eid)
+  if r then
+    local id = r[2][2]
+    local st, entry = unpack(redis.call('HMGET', ik(id), 'st', 'entry'))
+    if st == 'in_flight' and entry == eid then
+      make_ready(id, false)
+      n = n + 1
+    end
+  end
+end
+return n
+"#;
+
 const MOVE_DUE: &str = r#"
 local ids = redis.call('ZRANGEBYSCORE', P .. 'delayed', '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
 local n = 0
@@ -278,6 +299,7 @@ struct Scripts {
     claim: Script,
     commit: Script,
     reclaim: Script,
+    recover: Script,
     move_due: Script,
     unpark: Script,
     unpark_one: Script,
@@ -301,6 +323,7 @@ impl Scripts {
             claim: s(CLAIM),
             commit: s(COMMIT),
             reclaim: s(RECLAIM),
+            recover: s(RECOVER),
             move_due: s(MOVE_DUE),
             unpark: s(UNPARK),
             unpark_one: s(UNPARK_ONE),
@@ -852,6 +875,22 @@ impl WorkQueue for RedisQueue {
                     break;
                 }
                 cursor = next;
+            }
+        }
+        Ok(n)
+    }
+
+    async fn recover(&self, consumer: &str) -> Result<usize, QueueError> {
+        let mut n = 0;
+        for p in self.prefixes() {
+            for _ in 0..RECLAIM_ROUNDS {
+                let got: usize = self
+                    .run(&self.scripts.recover, &p, &[&consumer, &RECLAIM_BATCH])
+                    .await?;
+                n += got;
+                if got < RECLAIM_BATCH {
+                    break;
+                }
             }
         }
         Ok(n)
