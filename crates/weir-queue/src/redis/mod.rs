@@ -411,12 +411,15 @@ impl RedisQueue {
         let client = redis::Client::open(url)
             .map_err(|e| QueueError::Open(format!("`{url}` is not a Redis URL: {e}")))?;
         // No call waits on the server (claims poll), so a short response timeout only ever
-        // cuts a dead connection.
+        // cuts a dead connection. Reconnects are quick and few: while the server is down a
+        // caller should hear so at once (a webhook answers 503), and the executor's loop does
+        // the backing off.
         let cfg = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(5)))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(1));
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(50));
         let conn = client
             .get_connection_manager_with_config(cfg)
             .await
