@@ -363,20 +363,17 @@ fn write_loop(
         let mut answers = Vec::with_capacity(batch.len());
         let mut undone = false;
         for j in batch {
-            let answer = match conn.execute_batch("SAVEPOINT job") {
-                Err(e) => Err(QueueError::from(e)),
+            let answer = match exec(&conn, "SAVEPOINT job") {
+                Err(e) => Err(e),
                 Ok(()) => {
                     let a = (j.run)(&conn, &mut w);
                     let end = if a.is_ok() {
-                        "RELEASE job"
+                        exec(&conn, "RELEASE job")
                     } else {
                         undone = true;
-                        "ROLLBACK TO job; RELEASE job"
+                        exec(&conn, "ROLLBACK TO job").and_then(|()| exec(&conn, "RELEASE job"))
                     };
-                    match conn.execute_batch(end) {
-                        Ok(()) => a,
-                        Err(e) => Err(QueueError::from(e)),
-                    }
+                    end.and(a)
                 }
             };
             answers.push((j.reply, answer));
@@ -425,6 +422,12 @@ fn write_loop(
             }
         }
     }
+}
+
+/// One cached statement (savepoints run around every job: parse them once).
+fn exec(conn: &Connection, sql: &str) -> Result<(), QueueError> {
+    conn.prepare_cached(sql)?.execute([])?;
+    Ok(())
 }
 
 /// Drop finished items past the newest `FINISHED_KEPT`, and idempotency keys past their day.

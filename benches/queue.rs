@@ -1,0 +1,255 @@
+//! add → claim → ack through each durable backend, one item at a time and in batches, each
+//! figure printed beside the ceiling measured in the same run on the same machine:
+//! - sqlite: fsyncs per second on the data directory (write 4 KiB + fdatasync);
+//! - redis: a bare XADD + XREADGROUP + XACK round trip on the same server (one at a time,
+//!   and pipelined in batches of the same size).
+//!
+//! Every iteration checks that what was journaled was claimed and committed: the number
+//! journaled equals the number sent. Run: `cargo bench --bench queue`.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use redis::AsyncCommands;
+use serde_json::json;
+use weir_queue::testing::RedisServer;
+use weir_queue::{
+    Committed, End, Failpoints, RedisOptions, RedisQueue, SqliteQueue, WaveEffects, WorkItem,
+    WorkQueue,
+};
+
+const BATCH: usize = 100;
+
+fn item() -> WorkItem {
+    WorkItem::cascade(
+        "bench",
+        "in",
+        "bench",
+        vec![json!({ "payload": { "n": 1 } })],
+    )
+}
+
+/// Items per second measured over every iteration criterion ran.
+#[derive(Default)]
+struct Tally {
+    items: u64,
+    time: Duration,
+}
+
+impl Tally {
+    fn rate(&self) -> f64 {
+        self.items as f64 / self.time.as_secs_f64().max(1e-9)
+    }
+}
+
+async fn one_at_a_time(q: &dyn WorkQueue, n: u64) -> Duration {
+    let t = Instant::now();
+    for _ in 0..n {
+        q.add(vec![item()]).await.unwrap();
+        let c = q.claim("bench", 1, Duration::ZERO).await.unwrap();
+        assert_eq!(c.len(), 1, "the item journaled is the item claimed");
+        let r = q
+            .commit(&c[0], WaveEffects::ending(End::Ack))
+            .await
+            .unwrap();
+        assert_eq!(r, Committed::Done);
+    }
+    t.elapsed()
+}
+
+/// One add of `BATCH` items, claims until all are back, then every commit at once (as the
+/// executor's concurrent waves do).
+async fn batched(q: &dyn WorkQueue, batches: u64) -> Duration {
+    let t = Instant::now();
+    for _ in 0..batches {
+        q.add((0..BATCH).map(|_| item()).collect()).await.unwrap();
+        let mut claimed = Vec::with_capacity(BATCH);
+        while claimed.len() < BATCH {
+            let c = q
+                .claim("bench", BATCH - claimed.len(), Duration::ZERO)
+                .await
+                .unwrap();
+            assert!(!c.is_empty(), "every item journaled comes back");
+            claimed.extend(c);
+        }
+        let commits = claimed
+            .iter()
+            .map(|c| q.commit(c, WaveEffects::ending(End::Ack)));
+        for r in futures::future::join_all(commits).await {
+            assert_eq!(r.unwrap(), Committed::Done);
+        }
+    }
+    t.elapsed()
+}
+
+fn fsyncs_per_second(dir: &std::path::Path) -> f64 {
+    let mut f = std::fs::File::create(dir.join("fsync-probe")).unwrap();
+    let block = [7u8; 4096];
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed() < Duration::from_secs(2) {
+        f.write_all(&block).unwrap();
+        f.sync_data().unwrap();
+        n += 1;
+    }
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+async fn redis_raw(url: &str, batch: usize, rounds: u64) -> f64 {
+    let client = redis::Client::open(url).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let _: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg(&["CREATE", "raw", "g", "0", "MKSTREAM"])
+        .query_async(&mut c)
+        .await;
+    let t = Instant::now();
+    for _ in 0..rounds {
+        let mut p = redis::pipe();
+        for _ in 0..batch {
+            p.cmd("XADD")
+                .arg("raw")
+                .arg("*")
+                .arg("id")
+                .arg("x")
+                .ignore();
+        }
+        let _: () = p.query_async(&mut c).await.unwrap();
+        let r: redis::streams::StreamReadReply = c
+            .xread_options(
+                &["raw"],
+                &[">"],
+                &redis::streams::StreamReadOptions::default()
+                    .group("g", "c")
+                    .count(batch),
+            )
+            .await
+            .unwrap();
+        let ids: Vec<String> = r.keys[0].ids.iter().map(|e| e.id.clone()).collect();
+        assert_eq!(ids.len(), batch);
+        let _: () = redis::pipe()
+            .xack("raw", "g", &ids)
+            .ignore()
+            .xdel("raw", &ids)
+            .ignore()
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    (rounds * batch as u64) as f64 / t.elapsed().as_secs_f64()
+}
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut report = Vec::new();
+
+    // ---- sqlite ----
+    let sqlite_q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+    let sqlite: Arc<dyn WorkQueue> = sqlite_q.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let fsync = fsyncs_per_second(dir.path());
+    println!("sqlite: WAL, synchronous=FULL; fsync ceiling on this machine: {fsync:.0}/s");
+    for (name, per_iter) in [("single", 1u64), ("batched", BATCH as u64)] {
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        let tx_before = sqlite_q.batches();
+        let mut g = c.benchmark_group("sqlite");
+        g.sample_size(10).measurement_time(Duration::from_secs(5));
+        g.throughput(Throughput::Elements(per_iter));
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (q, tally) = (sqlite.clone(), tally.clone());
+                async move {
+                    let d = if per_iter == 1 {
+                        one_at_a_time(&*q, iters).await
+                    } else {
+                        batched(&*q, iters).await
+                    };
+                    let mut t = tally.lock().unwrap();
+                    t.items += iters * per_iter;
+                    t.time += d;
+                    d
+                }
+            })
+        });
+        g.finish();
+        let t = tally.lock().unwrap();
+        let rate = t.rate();
+        // Both counts include the warm-up, which runs the same routine.
+        let per_tx = (t.items as f64) / ((sqlite_q.batches() - tx_before) as f64).max(1.0);
+        let tx_rate = rate / per_tx.max(1e-9);
+        report.push(format!(
+            "sqlite {name:>7}: {rate:>9.0} items/s | {per_tx:>5.1} items per transaction, {tx_rate:>5.0} transactions/s | fsync ceiling {fsync:>5.0}/s | ratio {:.2}",
+            tx_rate / fsync
+        ));
+    }
+    let s = rt.block_on(sqlite.stats()).unwrap();
+    assert_eq!(
+        (s.ready, s.in_flight),
+        (0, 0),
+        "everything journaled was acknowledged"
+    );
+
+    // ---- redis ----
+    let server = RedisServer::start();
+    let redis_q: Arc<dyn WorkQueue> = Arc::new(
+        rt.block_on(RedisQueue::connect(
+            &server.url(),
+            RedisOptions::default(),
+            Failpoints::new(),
+        ))
+        .unwrap(),
+    );
+    println!("redis: appendonly yes, appendfsync always (the server this bench starts)");
+    let raw_single = rt.block_on(redis_raw(&server.url(), 1, 2000));
+    let raw_batched = rt.block_on(redis_raw(&server.url(), BATCH, 200));
+    for (name, per_iter, ceiling) in [
+        ("single", 1u64, raw_single),
+        ("batched", BATCH as u64, raw_batched),
+    ] {
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        let mut g = c.benchmark_group("redis");
+        g.sample_size(10).measurement_time(Duration::from_secs(5));
+        g.throughput(Throughput::Elements(per_iter));
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter_custom(|iters| {
+                let (q, tally) = (redis_q.clone(), tally.clone());
+                async move {
+                    let d = if per_iter == 1 {
+                        one_at_a_time(&*q, iters).await
+                    } else {
+                        batched(&*q, iters).await
+                    };
+                    let mut t = tally.lock().unwrap();
+                    t.items += iters * per_iter;
+                    t.time += d;
+                    d
+                }
+            })
+        });
+        g.finish();
+        let rate = tally.lock().unwrap().rate();
+        report.push(format!(
+            "redis  {name:>7}: {rate:>9.0} items/s | raw XADD+XREADGROUP+XACK {ceiling:>7.0}/s | ratio {:.2}",
+            rate / ceiling
+        ));
+    }
+    let s = rt.block_on(redis_q.stats()).unwrap();
+    assert_eq!(
+        (s.ready, s.in_flight),
+        (0, 0),
+        "everything journaled was acknowledged"
+    );
+
+    println!("\n--- add → claim → ack, beside the ceilings measured in this run ---");
+    for line in report {
+        println!("{line}");
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
