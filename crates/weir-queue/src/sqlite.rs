@@ -859,12 +859,9 @@ impl WorkQueue for SqliteQueue {
             notified.as_mut().enable();
             let consumer = consumer.to_string();
             let got = self
-                .write(move |c, w| {
-                    if w.ready <= 0 {
-                        return Ok(Vec::new());
-                    }
-                    claim_ready(c, w, &consumer, max)
-                })
+                // Always looks (an indexed LIMIT query): the ready count only bounds `add`,
+                // it never decides whether an item can be claimed.
+                .write(move |c, w| claim_ready(c, w, &consumer, max))
                 .await?;
             if !got.is_empty() {
                 return Ok(got);

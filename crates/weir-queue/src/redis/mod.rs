@@ -40,7 +40,7 @@ use crate::{
 const HELPERS: &str = include_str!("scripts.lua");
 /// Finished item records kept per shard for `get`.
 const FINISHED_KEPT: usize = 10_000;
-/// Dead letters kept per shard before the oldest is evicted (counted, recorded).
+/// Dead letters kept per shard, by default, before the oldest is evicted (counted, recorded).
 pub const DEAD_CAP: usize = 100_000;
 /// Done markers outlive a crashed engine's redelivery by far, then expire.
 const DONE_TTL_SECS: i64 = 7 * 24 * 3600;
@@ -311,10 +311,10 @@ struct Scripts {
 }
 
 impl Scripts {
-    fn new() -> Self {
+    fn new(dead_cap: usize) -> Self {
         let helpers = HELPERS
             .replace("__FINISHED_KEPT__", &FINISHED_KEPT.to_string())
-            .replace("__DEAD_CAP__", &DEAD_CAP.to_string());
+            .replace("__DEAD_CAP__", &dead_cap.max(1).to_string());
         let s = |body: &str| Script::new(&format!("{helpers}\n{body}"));
         Scripts {
             add: s(ADD),
@@ -345,6 +345,9 @@ pub struct RedisOptions {
     pub shards: u32,
     /// Past this many ready items (per shard) `add` answers `Full`.
     pub max_ready: usize,
+    /// Dead letters kept per shard; past it the oldest is evicted, counted in
+    /// `Stats::dead_evicted`, and its record says so.
+    pub dead_cap: usize,
 }
 
 impl Default for RedisOptions {
@@ -353,6 +356,7 @@ impl Default for RedisOptions {
             namespace: "weir".into(),
             shards: 1,
             max_ready: 100_000,
+            dead_cap: DEAD_CAP,
         }
     }
 }
@@ -424,10 +428,11 @@ impl RedisQueue {
             .get_connection_manager_with_config(cfg)
             .await
             .map_err(|e| QueueError::Open(format!("cannot reach Redis at {url}: {e}")))?;
+        let scripts = Scripts::new(opts.dead_cap);
         let q = RedisQueue {
             conn,
             opts,
-            scripts: Scripts::new(),
+            scripts,
             failpoints,
             _keep: None,
         };
@@ -1073,7 +1078,8 @@ impl WorkQueue for RedisQueue {
             ItemState::Dead { at, .. } => at,
             _ => 0,
         };
-        out.sort_by(|a, b| at(b).cmp(&at(a)).then(b.item.id.cmp(&a.item.id)));
+        // Stable: within a shard the stream's own order (newest first) breaks ties.
+        out.sort_by_key(|v| std::cmp::Reverse(at(v)));
         out.truncate(n);
         Ok(out)
     }

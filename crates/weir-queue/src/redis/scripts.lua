@@ -83,7 +83,7 @@ end
 local function bury(id, reason)
   local k = ik(id)
   unstream(k)
-  local d = redis.call('XADD', DEAD, '*', 'id', id)
+  local d = redis.call('XADD', DEAD, '*', 'id', id, 'reason', reason)
   redis.call('HSET', k, 'st', 'dead', 'reason', reason, 'at', NOW, 'dentry', d)
   redis.call('HDEL', k, 'consumer', 'since', 'stepped', 'due')
   if redis.call('XLEN', DEAD) > DEADCAP then

@@ -1,0 +1,133 @@
+//! What the Redis backend promises beyond the shared contract: dead-letter evictions are
+//! counted and recorded, never silent; unsafe persistence settings are reported; items of
+//! one flow stay in their flow's shard.
+
+use std::time::Duration;
+
+use serde_json::json;
+use weir_queue::testing::RedisServer;
+use weir_queue::{
+    End, Failpoints, ItemState, RedisOptions, RedisQueue, WaveEffects, WorkItem, WorkQueue,
+};
+
+fn item(n: i64) -> WorkItem {
+    WorkItem::cascade("f", "in", "test", vec![json!({ "payload": n })])
+}
+
+#[tokio::test]
+async fn dead_letters_past_the_cap_are_evicted_visibly() {
+    let server = RedisServer::start();
+    let opts = RedisOptions {
+        dead_cap: 3,
+        ..RedisOptions::default()
+    };
+    let q = RedisQueue::connect(&server.url(), opts, Failpoints::new())
+        .await
+        .unwrap();
+    let items: Vec<_> = (0..5).map(item).collect();
+    let ids: Vec<_> = items.iter().map(|i| i.id).collect();
+    q.add(items).await.unwrap();
+    for c in q.claim("a", 5, Duration::ZERO).await.unwrap() {
+        let why = format!("bad {}", c.item.outputs[0][0]["payload"]);
+        q.commit(&c, WaveEffects::ending(End::DeadLetter(why)))
+            .await
+            .unwrap();
+    }
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.dead, s.dead_evicted), (3, 2), "{s:?}");
+    let kept: Vec<_> = q
+        .dead_letters(10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| v.item.id)
+        .collect();
+    assert_eq!(
+        kept,
+        vec![ids[4], ids[3], ids[2]],
+        "the newest are kept, newest first"
+    );
+    match q.get(ids[0]).await.unwrap().unwrap().state {
+        ItemState::Finished { outcome, .. } => {
+            assert!(
+                outcome.contains("evicted from the dead letters"),
+                "{outcome}"
+            )
+        }
+        other => panic!("the evicted item says what became of it: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn unsafe_persistence_is_reported() {
+    let server = RedisServer::start();
+    let q = RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    assert!(
+        q.check_persistence("test").await.is_empty(),
+        "appendonly yes + appendfsync always is safe"
+    );
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "appendfsync", "everysec"])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let w = q.check_persistence("test").await;
+    assert!(
+        w.len() == 1 && w[0].contains("appendfsync everysec"),
+        "{w:?}"
+    );
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "appendonly", "no"])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let w = q.check_persistence("test").await;
+    assert!(
+        w.len() == 1 && w[0].contains("without the append-only file"),
+        "{w:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_flows_keys_live_in_its_shard() {
+    let server = RedisServer::start();
+    let opts = RedisOptions {
+        shards: 4,
+        ..RedisOptions::default()
+    };
+    let q = RedisQueue::connect(&server.url(), opts, Failpoints::new())
+        .await
+        .unwrap();
+    let flows = ["orders", "alerts", "thermostat", "billing", "audit"];
+    q.add(
+        flows
+            .iter()
+            .map(|f| WorkItem::cascade(f, "in", "t", vec![]))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    for f in flows {
+        let k = weir_queue::redis::keys::shard_of(f, 4);
+        let key = weir_queue::redis::keys::stream(&weir_queue::redis::keys::prefix("weir", k));
+        let entries: Vec<redis::Value> = redis::cmd("XRANGE")
+            .arg(&key)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert!(!entries.is_empty(), "flow {f} has its entry in shard {k}");
+    }
+    assert_eq!(
+        q.stats().await.unwrap().ready,
+        flows.len(),
+        "stats fan out over shards"
+    );
+}
