@@ -84,6 +84,39 @@ async fn batched(q: &dyn WorkQueue, batches: u64) -> Duration {
     t.elapsed()
 }
 
+/// Run one case under criterion; returns the items and time of every iteration it ran.
+fn measure(
+    c: &mut Criterion,
+    rt: &tokio::runtime::Runtime,
+    group: &str,
+    name: &str,
+    per_iter: u64,
+    q: &Arc<dyn WorkQueue>,
+) -> Tally {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let mut g = c.benchmark_group(group);
+    g.sample_size(10).measurement_time(Duration::from_secs(5));
+    g.throughput(Throughput::Elements(per_iter));
+    g.bench_function(name, |b| {
+        b.to_async(rt).iter_custom(|iters| {
+            let (q, tally) = (q.clone(), tally.clone());
+            async move {
+                let d = if per_iter == 1 {
+                    one_at_a_time(&*q, iters).await
+                } else {
+                    batched(&*q, iters).await
+                };
+                let mut t = tally.lock().unwrap();
+                t.items += iters * per_iter;
+                t.time += d;
+                d
+            }
+        })
+    });
+    g.finish();
+    std::mem::take(&mut *tally.lock().unwrap())
+}
+
 fn fsyncs_per_second(dir: &std::path::Path) -> f64 {
     let mut f = std::fs::File::create(dir.join("fsync-probe")).unwrap();
     let block = [7u8; 4096];
@@ -155,33 +188,12 @@ fn bench(c: &mut Criterion) {
     let fsync = fsyncs_per_second(dir.path());
     println!("sqlite: WAL, synchronous=FULL; fsync ceiling on this machine: {fsync:.0}/s");
     for (name, per_iter) in [("single", 1u64), ("batched", BATCH as u64)] {
-        let tally = Arc::new(Mutex::new(Tally::default()));
         let tx_before = sqlite_q.batches();
-        let mut g = c.benchmark_group("sqlite");
-        g.sample_size(10).measurement_time(Duration::from_secs(5));
-        g.throughput(Throughput::Elements(per_iter));
-        g.bench_function(name, |b| {
-            b.to_async(&rt).iter_custom(|iters| {
-                let (q, tally) = (sqlite.clone(), tally.clone());
-                async move {
-                    let d = if per_iter == 1 {
-                        one_at_a_time(&*q, iters).await
-                    } else {
-                        batched(&*q, iters).await
-                    };
-                    let mut t = tally.lock().unwrap();
-                    t.items += iters * per_iter;
-                    t.time += d;
-                    d
-                }
-            })
-        });
-        g.finish();
-        let t = tally.lock().unwrap();
-        let rate = t.rate();
-        // Both counts include the warm-up, which runs the same routine.
-        let per_tx = (t.items as f64) / ((sqlite_q.batches() - tx_before) as f64).max(1.0);
-        let tx_rate = rate / per_tx.max(1e-9);
+        let tally = measure(c, &rt, "sqlite", name, per_iter, &sqlite);
+        let rate = tally.rate();
+        // Both counts cover the same runs (criterion's warm-up included).
+        let per_tx = tally.items as f64 / ((sqlite_q.batches() - tx_before) as f64).max(1.0);
+        let tx_rate = rate / per_tx;
         report.push(format!(
             "sqlite {name:>7}: {rate:>9.0} items/s | {per_tx:>5.1} items per transaction, {tx_rate:>5.0} transactions/s | fsync ceiling {fsync:>5.0}/s | ratio {:.2}",
             tx_rate / fsync
@@ -211,28 +223,7 @@ fn bench(c: &mut Criterion) {
         ("single", 1u64, raw_single),
         ("batched", BATCH as u64, raw_batched),
     ] {
-        let tally = Arc::new(Mutex::new(Tally::default()));
-        let mut g = c.benchmark_group("redis");
-        g.sample_size(10).measurement_time(Duration::from_secs(5));
-        g.throughput(Throughput::Elements(per_iter));
-        g.bench_function(name, |b| {
-            b.to_async(&rt).iter_custom(|iters| {
-                let (q, tally) = (redis_q.clone(), tally.clone());
-                async move {
-                    let d = if per_iter == 1 {
-                        one_at_a_time(&*q, iters).await
-                    } else {
-                        batched(&*q, iters).await
-                    };
-                    let mut t = tally.lock().unwrap();
-                    t.items += iters * per_iter;
-                    t.time += d;
-                    d
-                }
-            })
-        });
-        g.finish();
-        let rate = tally.lock().unwrap().rate();
+        let rate = measure(c, &rt, "redis", name, per_iter, &redis_q).rate();
         report.push(format!(
             "redis  {name:>7}: {rate:>9.0} items/s | raw XADD+XREADGROUP+XACK {ceiling:>7.0}/s | ratio {:.2}",
             rate / ceiling
