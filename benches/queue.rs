@@ -114,7 +114,8 @@ fn measure(
         })
     });
     g.finish();
-    std::mem::take(&mut *tally.lock().unwrap())
+    let t = std::mem::take(&mut *tally.lock().unwrap());
+    t
 }
 
 fn fsyncs_per_second(dir: &std::path::Path) -> f64 {
