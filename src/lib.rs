@@ -29,11 +29,25 @@ pub async fn start(flows: &[(&str, &str)], fp: Failpoints) -> RunningEngine {
 
 /// Start an engine on 127.0.0.1 with a free port, on the queue `url` names.
 pub async fn start_on(url: &str, flows: &[(&str, &str)], fp: Failpoints) -> RunningEngine {
+    start_with(url, None, flows, fp).await
+}
+
+/// Start an engine on 127.0.0.1 with a free port, on the queue `url` names, with the MQTT
+/// broker `mqtt`.
+pub async fn start_with(
+    url: &str,
+    mqtt: Option<&str>,
+    flows: &[(&str, &str)],
+    fp: Failpoints,
+) -> RunningEngine {
     let mut b = Engine::builder()
         .queue_url(url)
         .http(SocketAddr::from(([127, 0, 0, 1], 0)))
         .exec_config(test_exec())
         .failpoints(fp);
+    if let Some(m) = mqtt {
+        b = b.mqtt(m);
+    }
     for (name, src) in flows {
         b = b.flow_str(*name, *src);
     }
@@ -298,5 +312,174 @@ impl WeirProcess {
 impl Drop for WeirProcess {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A mosquitto broker this test owns, on a free loopback port, with persistence on and
+/// `max_queued_messages` raised (the stock 1000 silently drops QoS 1 messages for a client
+/// that is away); stopped by PID when dropped.
+pub struct Mosquitto {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+}
+
+impl Mosquitto {
+    pub fn start() -> Mosquitto {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let port = weir_queue::testing::free_port();
+        let conf = format!(
+            "listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n\
+             persistence_location {dir}/\nautosave_interval 1\nmax_queued_messages 1000000\n\
+             max_inflight_messages 20\nlog_dest file {dir}/mosquitto.log\n",
+            dir = dir.path().display()
+        );
+        std::fs::write(dir.path().join("mosquitto.conf"), conf).expect("write the config");
+        let mut m = Mosquitto {
+            port,
+            dir,
+            child: None,
+        };
+        m.restart();
+        m
+    }
+
+    pub fn url(&self) -> String {
+        format!("mqtt://127.0.0.1:{}", self.port)
+    }
+
+    /// Start it again (same port, same persistence file) after [`stop`](Self::stop).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "mosquitto is already running");
+        let child = std::process::Command::new("mosquitto")
+            .arg("-c")
+            .arg(self.dir.path().join("mosquitto.conf"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("mosquitto starts (install it: apt-get install mosquitto)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "mosquitto on port {} did not come up; see {}",
+                self.port,
+                self.dir.path().join("mosquitto.log").display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM (mosquitto saves its sessions and queued messages) and wait for the exit.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Mosquitto {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A test's own MQTT client (a device, an observer): polls in the background, acks what it
+/// receives, and keeps it; reconnects by itself.
+/// What a peer received: (topic, payload).
+type Received = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
+pub struct MqttPeer {
+    pub client: rumqttc::AsyncClient,
+    got: Received,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl MqttPeer {
+    /// Connect as `id` (a persistent session) and subscribe to `filter` if given; returns
+    /// once the subscription is acknowledged.
+    pub async fn connect(port: u16, id: &str, filter: Option<&str>) -> MqttPeer {
+        let mut o = rumqttc::MqttOptions::new(id, "127.0.0.1", port);
+        o.set_clean_session(false)
+            .set_keep_alive(Duration::from_secs(30))
+            .set_max_packet_size(1 << 20, 1 << 20)
+            .set_request_channel_capacity(10_000);
+        let (client, mut events) = rumqttc::AsyncClient::new(o, 10_000);
+        let got: Received = Arc::default();
+        let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
+        let mut subscribed_tx = Some(subscribed_tx);
+        let (g, c, f) = (got.clone(), client.clone(), filter.map(str::to_string));
+        let task = tokio::spawn(async move {
+            loop {
+                match events.poll().await {
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::ConnAck(_))) => {
+                        if let Some(f) = &f {
+                            let _ = c.subscribe(f.as_str(), rumqttc::QoS::AtLeastOnce).await;
+                        } else if let Some(tx) = subscribed_tx.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::SubAck(_))) => {
+                        if let Some(tx) = subscribed_tx.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::Publish(p))) => {
+                        g.lock()
+                            .unwrap()
+                            .push((p.topic.clone(), p.payload.to_vec()));
+                    }
+                    Ok(_) => {}
+                    Err(rumqttc::ConnectionError::RequestsDone) => return,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(10), subscribed)
+            .await
+            .expect("the test's MQTT client connects")
+            .ok();
+        MqttPeer { client, got, task }
+    }
+
+    /// Everything received so far: (topic, payload).
+    pub fn received(&self) -> Vec<(String, Vec<u8>)> {
+        self.got.lock().unwrap().clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.got.lock().unwrap().len()
+    }
+
+    /// Received payloads that are JSON, parsed.
+    pub fn json(&self) -> Vec<Value> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(_, p)| serde_json::from_slice(p).ok())
+            .collect()
+    }
+}
+
+impl Drop for MqttPeer {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }

@@ -11,6 +11,7 @@ mod function;
 mod http;
 mod library;
 mod log;
+pub mod mqtt;
 pub mod script;
 mod set;
 mod switch;
@@ -67,6 +68,10 @@ pub enum NodeError {
 }
 
 impl NodeError {
+    pub fn permanent(reason: impl Into<String>) -> Self {
+        NodeError::Permanent(reason.into())
+    }
+
     pub fn transient(reason: impl Into<String>) -> Self {
         NodeError::Transient {
             reason: reason.into(),

@@ -58,6 +58,7 @@ impl LoadedFlow {
 #[derive(Clone)]
 pub struct Library {
     factories: HashMap<String, Arc<dyn NodeFactory>>,
+    mqtt: Arc<crate::mqtt::MqttHub>,
 }
 
 impl Default for Library {
@@ -70,6 +71,7 @@ impl Library {
     pub fn empty() -> Self {
         Library {
             factories: HashMap::new(),
+            mqtt: Arc::default(),
         }
     }
 
@@ -85,7 +87,15 @@ impl Library {
         l.register(crate::triggers::WebhookFactory);
         l.register(crate::triggers::CronFactory);
         l.register(crate::triggers::ManualFactory);
+        l.register(crate::mqtt::InFactory);
+        let hub = l.mqtt.clone();
+        l.register(crate::mqtt::OutFactory(hub));
         l
+    }
+
+    /// The MQTT side the library's nodes share: which broker, and the publishing connection.
+    pub fn mqtt(&self) -> Arc<crate::mqtt::MqttHub> {
+        self.mqtt.clone()
     }
 
     /// Add (or replace) a node type.

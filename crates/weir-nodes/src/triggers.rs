@@ -1,4 +1,4 @@
-//! Source nodes: `webhook`, `cron` and `manual`. They never run in a wave: a trigger journals
+//! Source nodes: `webhook`, `cron`, `manual` (and `mqtt-in`, in mqtt.rs). They never run in a wave: a trigger journals
 //! a cascade item at the source node, and the wave starts downstream of it. Their configs are
 //! checked here so that a flow is validated as a whole.
 
@@ -17,6 +17,7 @@ use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFacto
 pub enum Trigger {
     Webhook(WebhookSpec),
     Cron(Box<CronSpec>),
+    Mqtt(crate::mqtt::MqttInSpec),
     Manual,
 }
 
@@ -50,7 +51,7 @@ pub struct CronSpec {
     pub payload: Option<serde_json::Value>,
 }
 
-struct Source(Trigger);
+pub(crate) struct Source(pub(crate) Trigger);
 
 #[async_trait::async_trait]
 impl Node for Source {

@@ -30,6 +30,7 @@ use weir_triggers::webhook::Intake;
 
 pub use weir_exec;
 pub use weir_flow::{self, Diagnostic, Diagnostics};
+pub use weir_nodes;
 pub use weir_nodes::{
     config, Built, ConfigError, Emit, Library, LoadedFlow, Node, NodeCx, NodeError, NodeFactory,
     Wires,
@@ -66,6 +67,7 @@ pub struct EngineBuilder {
     paths: Vec<PathBuf>,
     sources: Vec<(String, String)>,
     queue: QueueChoice,
+    mqtt: Option<String>,
     http: SocketAddr,
     exec: ExecConfig,
     failpoints: Failpoints,
@@ -97,6 +99,13 @@ impl EngineBuilder {
         self
     }
 
+    /// The MQTT broker (`mqtt://[USER:PASSWORD@]HOST:PORT`) for `mqtt-in` and `mqtt-out`;
+    /// default `WEIR_MQTT` or mqtt://127.0.0.1:1883, connected only when a flow needs it.
+    pub fn mqtt(mut self, url: impl Into<String>) -> Self {
+        self.mqtt = Some(url.into());
+        self
+    }
+
     /// Where webhooks and the admin API listen (port 0: any free port).
     pub fn http(mut self, addr: SocketAddr) -> Self {
         self.http = addr;
@@ -122,6 +131,10 @@ impl EngineBuilder {
 
     /// Load and validate every flow; every problem of every file is reported at once.
     pub fn build(self) -> Result<Engine, EngineError> {
+        let mqtt = self.library.mqtt();
+        if let Some(url) = &self.mqtt {
+            mqtt.set_broker(weir_nodes::mqtt::Broker::parse(url).map_err(EngineError::Config)?);
+        }
         let mut flows = self.library.load_paths(&self.paths)?;
         flows.extend(self.library.load_strs(&self.sources)?);
         let mut seen = std::collections::HashSet::new();
@@ -132,6 +145,7 @@ impl EngineBuilder {
         }
         Ok(Engine {
             queue: self.queue,
+            mqtt,
             flows: Arc::new(Flows::new(flows)),
             http: self.http,
             exec: self.exec,
@@ -143,6 +157,7 @@ impl EngineBuilder {
 /// A configured engine, ready to start.
 pub struct Engine {
     queue: QueueChoice,
+    mqtt: Arc<weir_nodes::mqtt::MqttHub>,
     flows: Arc<Flows>,
     http: SocketAddr,
     exec: ExecConfig,
@@ -167,6 +182,7 @@ impl Engine {
             paths: Vec::new(),
             sources: Vec::new(),
             queue: QueueChoice::Url(DEFAULT_QUEUE.into()),
+            mqtt: None,
             http: SocketAddr::from(([127, 0, 0, 1], 8080)),
             exec: ExecConfig::default(),
             failpoints: Failpoints::from_env(),
@@ -204,6 +220,22 @@ impl Engine {
         let ex_stop = stop.clone();
         tracker.spawn(async move { executor.run(ex_stop).await });
         weir_triggers::cron::spawn_all(queue.clone(), &self.flows, &tracker, stop.clone());
+        let needs_mqtt = self.flows.all().iter().any(|f| {
+            f.flow
+                .triggers()
+                .any(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Mqtt(_)))
+        });
+        if needs_mqtt {
+            let broker = self.mqtt.broker().map_err(EngineError::Config)?;
+            weir_triggers::mqtt::spawn_all(
+                queue.clone(),
+                &self.flows,
+                &broker,
+                intake.clone(),
+                &tracker,
+                stop.clone(),
+            );
+        }
         let app = weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone())
             .merge(admin::router(queue.clone(), self.flows.clone()))
             .layer(axum::extract::DefaultBodyLimit::disable());

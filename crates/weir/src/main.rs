@@ -30,6 +30,11 @@ enum Cmd {
         /// (several engines share it; `?shards=N&ns=NAME`), or `memory` (lost on exit).
         #[arg(long, env = "WEIR_QUEUE", default_value = weir::DEFAULT_QUEUE)]
         queue: String,
+        /// The MQTT broker for mqtt-in and mqtt-out: `mqtt://[USER:PASSWORD@]HOST:PORT`
+        /// (credentials also from WEIR_MQTT_USERNAME / WEIR_MQTT_PASSWORD; the stem of the
+        /// client ids from WEIR_MQTT_CLIENT_ID, default `weir`).
+        #[arg(long, env = "WEIR_MQTT", default_value = weir::weir_nodes::mqtt::DEFAULT_BROKER)]
+        mqtt: String,
         /// Address for webhooks and the admin API.
         #[arg(long, env = "WEIR_HTTP", default_value = "127.0.0.1:8080")]
         http: SocketAddr,
@@ -152,6 +157,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Run {
             flows,
             queue,
+            mqtt,
             http,
             grace,
             consumer,
@@ -168,6 +174,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let engine = Engine::builder()
                 .flows_dir(&flows)
                 .queue_url(queue)
+                .mqtt(mqtt)
                 .http(http)
                 .exec_config(cfg)
                 .build()?;

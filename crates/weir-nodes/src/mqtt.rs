@@ -1,0 +1,537 @@
+//! MQTT: the broker settings, the publishing connection, the `mqtt-out` node, and the config
+//! of the `mqtt-in` source (whose subscriptions weir-triggers runs).
+//!
+//! A publish at QoS ≥ 1 is done only when the broker's PUBACK (QoS 2: PUBCOMP) for it comes
+//! back. rumqttc's `publish()` returns when the packet is queued, so the connection's task
+//! matches acknowledgements to callers: publishes leave in the order they were queued, each
+//! `Outgoing::Publish(pkid)` gives the oldest waiting caller its packet id, and the ack for
+//! that id answers it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rumqttc::{AsyncClient, Event, MqttOptions, Outgoing, Packet, QoS};
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::sync::{oneshot, OnceCell};
+use weir_flow::{Spanned, Yaml};
+use weir_queue::Message;
+
+use crate::script::{self, Template};
+use crate::triggers::Trigger;
+use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
+
+/// The broker weir talks to: `mqtt://[USER:PASSWORD@]HOST[:PORT]`, with credentials also from
+/// `WEIR_MQTT_USERNAME` / `WEIR_MQTT_PASSWORD`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Broker {
+    pub host: String,
+    pub port: u16,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// The stem of every client id weir uses with this broker. Stable across restarts, so
+    /// the broker keeps each session (and its queued messages) while the engine is down.
+    pub client_id: String,
+    /// Largest packet in or out, in bytes (rumqttc's own default, 10 KiB, would drop the
+    /// connection on one larger message).
+    pub max_packet: usize,
+}
+
+/// The broker `weir run` uses unless told otherwise.
+pub const DEFAULT_BROKER: &str = "mqtt://127.0.0.1:1883";
+
+impl Broker {
+    pub fn parse(url: &str) -> Result<Broker, String> {
+        let rest = url
+            .strip_prefix("mqtt://")
+            .or_else(|| url.strip_prefix("tcp://"))
+            .ok_or_else(|| {
+                if url.starts_with("mqtts://") || url.starts_with("ssl://") {
+                    format!("`{url}`: TLS to the broker is not in this build yet; use mqtt:// (see the README)")
+                } else {
+                    format!("`{url}` is not a broker URL: mqtt://HOST:PORT")
+                }
+            })?;
+        let rest = rest.trim_end_matches('/');
+        let (creds, hostport) = match rest.rsplit_once('@') {
+            Some((c, h)) => (Some(c), h),
+            None => (None, rest),
+        };
+        let (host, port) = match hostport.rsplit_once(':') {
+            Some((h, p)) => (
+                h,
+                p.parse::<u16>()
+                    .map_err(|_| format!("`{url}`: `{p}` is not a port"))?,
+            ),
+            None => (hostport, 1883),
+        };
+        if host.is_empty() {
+            return Err(format!("`{url}` names no host"));
+        }
+        let (username, password) = match creds {
+            Some(c) => match c.split_once(':') {
+                Some((u, p)) => (Some(u.to_string()), Some(p.to_string())),
+                None => (Some(c.to_string()), None),
+            },
+            None => (None, None),
+        };
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Ok(Broker {
+            host: host.to_string(),
+            port,
+            username: username.or_else(|| env("WEIR_MQTT_USERNAME")),
+            password: password.or_else(|| env("WEIR_MQTT_PASSWORD")),
+            client_id: env("WEIR_MQTT_CLIENT_ID").unwrap_or_else(|| "weir".into()),
+            max_packet: 1 << 20,
+        })
+    }
+
+    /// `WEIR_MQTT`, or the default broker.
+    pub fn from_env() -> Result<Broker, String> {
+        Broker::parse(&std::env::var("WEIR_MQTT").unwrap_or_else(|_| DEFAULT_BROKER.into()))
+    }
+
+    /// Options for one of weir's connections: a persistent session (clean session off) under
+    /// the stable id `CLIENT_ID-SUFFIX`, acks by hand.
+    pub fn options(&self, suffix: &str) -> MqttOptions {
+        let mut o = MqttOptions::new(
+            format!("{}-{suffix}", self.client_id),
+            self.host.clone(),
+            self.port,
+        );
+        o.set_keep_alive(Duration::from_secs(30))
+            .set_clean_session(false)
+            .set_manual_acks(true)
+            .set_max_packet_size(self.max_packet, self.max_packet)
+            .set_request_channel_capacity(4096)
+            .set_inflight(100);
+        if let Some(u) = &self.username {
+            o.set_credentials(u.clone(), self.password.clone().unwrap_or_default());
+        }
+        o
+    }
+
+    pub fn address(&self) -> String {
+        format!("mqtt://{}:{}", self.host, self.port)
+    }
+}
+
+/// Backoff after the `n`th failure in a row: 100 ms doubling to 5 s.
+pub fn reconnect_delay(n: u32) -> Duration {
+    Duration::from_millis(100u64.saturating_mul(1 << n.min(6))).min(Duration::from_secs(5))
+}
+
+/// Callers waiting for their publish to be acknowledged.
+#[derive(Default)]
+struct Waiters {
+    /// Queued, not yet given a packet id, oldest first.
+    queued: VecDeque<oneshot::Sender<()>>,
+    /// Sent, waiting for the broker's ack.
+    sent: HashMap<u16, oneshot::Sender<()>>,
+}
+
+struct Publisher {
+    client: AsyncClient,
+    waiters: Arc<Mutex<Waiters>>,
+}
+
+/// The engine's MQTT side shared by its nodes: the broker settings and, started on first use,
+/// the connection that publishes.
+pub struct MqttHub {
+    broker: Mutex<Option<Broker>>,
+    publisher: OnceCell<Publisher>,
+}
+
+impl Default for MqttHub {
+    fn default() -> Self {
+        MqttHub {
+            broker: Mutex::new(None),
+            publisher: OnceCell::new(),
+        }
+    }
+}
+
+impl MqttHub {
+    /// Use `broker` (before the first publish; the default is `WEIR_MQTT` or
+    /// [`DEFAULT_BROKER`]).
+    pub fn set_broker(&self, broker: Broker) {
+        *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = Some(broker);
+    }
+
+    pub fn broker(&self) -> Result<Broker, String> {
+        let mut b = self.broker.lock().unwrap_or_else(|p| p.into_inner());
+        if b.is_none() {
+            *b = Some(Broker::from_env()?);
+        }
+        Ok(b.clone().unwrap_or_else(|| unreachable!()))
+    }
+
+    async fn publisher(&self) -> Result<&Publisher, NodeError> {
+        let broker = self.broker().map_err(NodeError::permanent)?;
+        self.publisher
+            .get_or_try_init(|| async move {
+                let (client, mut events) = AsyncClient::new(broker.options("out"), 4096);
+                let waiters = Arc::new(Mutex::new(Waiters::default()));
+                let w = waiters.clone();
+                let address = broker.address();
+                // Owned by the hub: it ends when the hub (and so the client) is dropped.
+                tokio::spawn(async move {
+                    let mut failures = 0u32;
+                    loop {
+                        match events.poll().await {
+                            Ok(ev) => {
+                                if failures > 0 {
+                                    tracing::info!(broker = %address, "publishing connection is back");
+                                    failures = 0;
+                                }
+                                track(&w, ev);
+                            }
+                            Err(rumqttc::ConnectionError::RequestsDone) => return,
+                            Err(e) => {
+                                failures += 1;
+                                if failures == 1 || failures.is_multiple_of(50) {
+                                    tracing::warn!(broker = %address, error = %e, failures, "cannot publish to the broker; retrying");
+                                }
+                                tokio::time::sleep(reconnect_delay(failures)).await;
+                            }
+                        }
+                    }
+                });
+                Ok::<_, NodeError>(Publisher { client, waiters })
+            })
+            .await
+    }
+
+    /// Publish and wait until the broker has it (QoS ≥ 1) or it is sent (QoS 0).
+    pub async fn publish(
+        &self,
+        topic: &str,
+        qos: QoS,
+        retain: bool,
+        payload: Vec<u8>,
+    ) -> Result<(), NodeError> {
+        if !rumqttc::valid_topic(topic) {
+            return Err(NodeError::permanent(format!(
+                "`{topic}` is not a topic one can publish to"
+            )));
+        }
+        let p = self.publisher().await?;
+        let (tx, rx) = oneshot::channel();
+        {
+            // Queue the caller and the packet together, so that their orders agree.
+            let mut w = p.waiters.lock().unwrap_or_else(|e| e.into_inner());
+            p.client
+                .try_publish(topic, qos, retain, payload)
+                .map_err(|e| NodeError::transient(format!("cannot queue the publish: {e}")))?;
+            w.queued.push_back(tx);
+        }
+        rx.await.map_err(|_| {
+            NodeError::transient("the broker session was lost before it acknowledged the publish")
+        })
+    }
+}
+
+/// Match the connection's events to the callers waiting for them.
+fn track(w: &Mutex<Waiters>, ev: Event) {
+    let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+    match ev {
+        Event::Outgoing(Outgoing::Publish(0)) => {
+            if let Some(tx) = w.queued.pop_front() {
+                let _ = tx.send(());
+            }
+        }
+        // A packet id already waiting is a resend after a reconnect, not a new publish.
+        Event::Outgoing(Outgoing::Publish(pkid)) if !w.sent.contains_key(&pkid) => {
+            if let Some(tx) = w.queued.pop_front() {
+                w.sent.insert(pkid, tx);
+            }
+        }
+        Event::Incoming(Packet::PubAck(a)) => {
+            if let Some(tx) = w.sent.remove(&a.pkid) {
+                let _ = tx.send(());
+            }
+        }
+        Event::Incoming(Packet::PubComp(c)) => {
+            if let Some(tx) = w.sent.remove(&c.pkid) {
+                let _ = tx.send(());
+            }
+        }
+        Event::Incoming(Packet::ConnAck(c)) if !c.session_present => {
+            // A new session: the broker never got what was sent and unacknowledged; those
+            // callers fail (and retry) rather than wait for an ack that cannot come.
+            w.sent.clear();
+        }
+        _ => {}
+    }
+}
+
+pub fn qos(n: u8) -> Option<QoS> {
+    match n {
+        0 => Some(QoS::AtMostOnce),
+        1 => Some(QoS::AtLeastOnce),
+        2 => Some(QoS::ExactlyOnce),
+        _ => None,
+    }
+}
+
+// ---- mqtt-out ----
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutConfig {
+    /// The topic; `{{ expr }}` parts are evaluated per message. Default: `msg.topic`.
+    topic: Option<Spanned<String>>,
+    /// 0, 1 (default) or 2.
+    #[serde(default = "one")]
+    qos: Spanned<u8>,
+    #[serde(default)]
+    retain: bool,
+    /// A fixed payload instead of `msg.payload`.
+    payload: Option<Value>,
+    #[serde(default)]
+    to: Wires,
+}
+
+fn one() -> Spanned<u8> {
+    Spanned {
+        pos: Default::default(),
+        value: 1,
+    }
+}
+
+pub struct OutFactory(pub Arc<MqttHub>);
+
+impl NodeFactory for OutFactory {
+    fn kind(&self) -> &str {
+        "mqtt-out"
+    }
+
+    fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
+        let c: OutConfig = config(y)?;
+        let engine = script::engine();
+        let mut errors = Vec::new();
+        let topic = match &c.topic {
+            Some(t) => {
+                let tpl = Template::compile(&engine, t, t.pos)
+                    .map_err(|e| errors.push(e))
+                    .ok();
+                if let Some(tp) = &tpl {
+                    if tp.is_literal() && !rumqttc::valid_topic(&t.value) {
+                        errors.push(ConfigError::at(
+                            t.pos,
+                            format!(
+                                "`{}` is not a topic one can publish to (no `+` or `#`)",
+                                t.value
+                            ),
+                        ));
+                    }
+                }
+                tpl
+            }
+            None => None,
+        };
+        let q = qos(c.qos.value);
+        if q.is_none() {
+            errors.push(ConfigError::at(c.qos.pos, "`qos` is 0, 1 or 2"));
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        Ok(Built {
+            node: Arc::new(Out {
+                hub: self.0.clone(),
+                engine,
+                topic,
+                qos: q.unwrap_or(QoS::AtLeastOnce),
+                retain: c.retain,
+                payload: c.payload,
+            }),
+            ports: vec![c.to.0],
+        })
+    }
+}
+
+struct Out {
+    hub: Arc<MqttHub>,
+    engine: rhai::Engine,
+    topic: Option<Template>,
+    qos: QoS,
+    retain: bool,
+    payload: Option<Value>,
+}
+
+/// What goes on the wire: a string as it is, anything else as JSON.
+pub fn payload_bytes(v: &Value) -> Vec<u8> {
+    match v {
+        Value::String(s) => s.clone().into_bytes(),
+        other => serde_json::to_vec(other).unwrap_or_default(),
+    }
+}
+
+#[async_trait::async_trait]
+impl Node for Out {
+    fn side_effect(&self) -> bool {
+        true
+    }
+
+    async fn call(&self, msg: Message, _cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        let topic = match &self.topic {
+            Some(t) => t.render(&self.engine, &msg)?,
+            None => match msg.get("topic") {
+                Some(Value::String(t)) => t.clone(),
+                _ => {
+                    return Err(NodeError::permanent(
+                        "mqtt-out has no `topic` and the message has no `msg.topic`",
+                    ))
+                }
+            },
+        };
+        let payload = payload_bytes(
+            self.payload
+                .as_ref()
+                .or_else(|| msg.get("payload"))
+                .unwrap_or(&Value::Null),
+        );
+        self.hub
+            .publish(&topic, self.qos, self.retain, payload)
+            .await?;
+        Ok(Emit::one(msg))
+    }
+}
+
+// ---- mqtt-in ----
+
+/// What an `mqtt-in` node subscribes to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MqttInSpec {
+    pub filter: String,
+    pub qos: QoS,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InConfig {
+    /// A topic filter: `+` one level, `#` the rest.
+    topic: Spanned<String>,
+    #[serde(default = "one")]
+    qos: Spanned<u8>,
+    #[serde(default)]
+    to: Wires,
+}
+
+pub struct InFactory;
+
+impl NodeFactory for InFactory {
+    fn kind(&self) -> &str {
+        "mqtt-in"
+    }
+
+    fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
+        let c: InConfig = config(y)?;
+        let mut errors = Vec::new();
+        if c.topic.is_empty() || !rumqttc::valid_filter(&c.topic) || c.topic.starts_with("$share/")
+        {
+            errors.push(ConfigError::at(
+                c.topic.pos,
+                format!(
+                    "`{}` is not a topic filter (levels split by `/`, `+` for one level, `#` last for the rest)",
+                    c.topic.value
+                ),
+            ));
+        }
+        let q = qos(c.qos.value);
+        if q.is_none() {
+            errors.push(ConfigError::at(c.qos.pos, "`qos` is 0, 1 or 2"));
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        Ok(Built {
+            node: Arc::new(crate::triggers::Source(Trigger::Mqtt(MqttInSpec {
+                filter: c.topic.value,
+                qos: q.unwrap_or(QoS::AtLeastOnce),
+            }))),
+            ports: vec![c.to.0],
+        })
+    }
+}
+
+/// The message an MQTT publish becomes: a JSON payload as JSON, other UTF-8 text as a string,
+/// anything else as base64 text with `msg.encoding = "base64"`.
+pub fn message(topic: &str, qos: QoS, retain: bool, payload: &[u8]) -> Message {
+    use base64::Engine as _;
+    let mut msg = serde_json::json!({
+        "topic": topic,
+        "qos": qos as u8,
+        "retain": retain,
+    });
+    let body = match serde_json::from_slice::<Value>(payload) {
+        Ok(v) => v,
+        Err(_) => match std::str::from_utf8(payload) {
+            Ok(s) => Value::String(s.to_string()),
+            Err(_) => {
+                msg["encoding"] = "base64".into();
+                Value::String(base64::engine::general_purpose::STANDARD.encode(payload))
+            }
+        },
+    };
+    msg["payload"] = body;
+    msg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broker_urls() {
+        let b = Broker::parse("mqtt://u:p@broker.local:1884").unwrap();
+        assert_eq!((b.host.as_str(), b.port), ("broker.local", 1884));
+        assert_eq!(
+            (b.username.as_deref(), b.password.as_deref()),
+            (Some("u"), Some("p"))
+        );
+        assert_eq!(Broker::parse("mqtt://h").unwrap().port, 1883);
+        assert!(Broker::parse("http://h")
+            .unwrap_err()
+            .contains("not a broker URL"));
+        assert!(Broker::parse("mqtt://h:x")
+            .unwrap_err()
+            .contains("not a port"));
+    }
+
+    #[test]
+    fn payloads_become_messages() {
+        let m = message("a/b", QoS::AtLeastOnce, false, br#"{"t": 21.5}"#);
+        assert_eq!(m["payload"]["t"], 21.5);
+        assert_eq!(
+            (m["topic"].as_str(), m["qos"].as_u64()),
+            (Some("a/b"), Some(1))
+        );
+        assert_eq!(message("a", QoS::AtMostOnce, true, b"on")["payload"], "on");
+        let bin = message("a", QoS::AtMostOnce, false, &[0xff, 0x00]);
+        assert_eq!(
+            (bin["payload"].as_str(), bin["encoding"].as_str()),
+            (Some("/wA="), Some("base64"))
+        );
+        assert_eq!(payload_bytes(&Value::String("x".into())), b"x");
+        assert_eq!(payload_bytes(&serde_json::json!({"a": 1})), br#"{"a":1}"#);
+    }
+
+    #[test]
+    fn acks_reach_the_callers_in_order_and_resends_are_not_new_publishes() {
+        let w = Mutex::new(Waiters::default());
+        let (a, mut ra) = oneshot::channel();
+        let (b, mut rb) = oneshot::channel();
+        w.lock().unwrap().queued.extend([a, b]);
+        track(&w, Event::Outgoing(Outgoing::Publish(7)));
+        track(&w, Event::Outgoing(Outgoing::Publish(7))); // resent after a reconnect
+        track(&w, Event::Outgoing(Outgoing::Publish(8)));
+        track(&w, Event::Incoming(Packet::PubAck(rumqttc::PubAck::new(8))));
+        assert!(ra.try_recv().is_err(), "7 is not acknowledged yet");
+        assert!(rb.try_recv().is_ok(), "8 is");
+        track(&w, Event::Incoming(Packet::PubAck(rumqttc::PubAck::new(7))));
+        assert!(ra.try_recv().is_ok());
+    }
+}

@@ -1,0 +1,209 @@
+//! mqtt-in: every message becomes a journaled work item before it is acknowledged.
+//!
+//! - **One connection per distinct topic filter**, whatever number of flows use it, each with
+//!   its own persistent session under a stable client id (`CLIENT_ID-in-<hash of filter>`).
+//!   A delivery then always belongs to one subscription, so overlapping filters (which a
+//!   broker may serve once per matching subscription, as mosquitto does) never send a flow
+//!   the same message twice; each flow on the filter gets its own item.
+//! - **Acks by hand, after journaling, in arrival order.** The connection's task only reads;
+//!   a second task takes whatever has arrived, journals it in one `add` (never waiting to fill
+//!   a batch: the broker's in-flight window is small), then acks each message in order. A
+//!   crash between the two costs a redelivery, never the message. A journal that fails is
+//!   retried in process while the broker holds the messages; at shutdown nothing more is
+//!   acked, and the broker redelivers the rest to the next session.
+//! - **Reconnects with backoff**, resubscribing on every new connection; a broker that is
+//!   down at start is retried the same way and stops nothing else.
+
+use std::sync::Arc;
+
+use rumqttc::{AsyncClient, Event, Packet, Publish, QoS, SubscribeReasonCode};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use weir_exec::Flows;
+use weir_nodes::mqtt::{message, reconnect_delay, Broker};
+use weir_nodes::triggers::Trigger;
+use weir_queue::{WorkItem, WorkQueue};
+
+use crate::webhook::Intake;
+
+/// A flow's source node on one filter.
+#[derive(Debug, Clone)]
+struct Route {
+    flow: String,
+    node: String,
+}
+
+/// Messages journaled per `add` at most.
+const MAX_BATCH: usize = 512;
+
+/// Subscribe for every `mqtt-in` node of `flows`: one connection per distinct filter.
+pub fn spawn_all(
+    queue: Arc<dyn WorkQueue>,
+    flows: &Flows,
+    broker: &Broker,
+    intake: Intake,
+    tracker: &TaskTracker,
+    stop: CancellationToken,
+) {
+    let mut by_filter: std::collections::BTreeMap<String, (QoS, Vec<Route>)> = Default::default();
+    for f in flows.all() {
+        for (node, t) in f.flow.triggers() {
+            if let Trigger::Mqtt(spec) = t {
+                let e = by_filter
+                    .entry(spec.filter.clone())
+                    .or_insert((spec.qos, Vec::new()));
+                if (spec.qos as u8) > (e.0 as u8) {
+                    e.0 = spec.qos;
+                }
+                e.1.push(Route {
+                    flow: f.flow.id.clone(),
+                    node: node.to_string(),
+                });
+            }
+        }
+    }
+    for (filter, (qos, routes)) in by_filter {
+        let (client, events) = AsyncClient::new(broker.options(&suffix(&filter)), 1024);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (q, c, i, s) = (queue.clone(), client.clone(), intake.clone(), stop.clone());
+        let r = routes.clone();
+        tracker.spawn(async move { journal(q, c, rx, r, i, s).await });
+        let (b, s) = (broker.address(), stop.clone());
+        tracker.spawn(async move { read(events, client, filter, qos, tx, b, s).await });
+    }
+}
+
+/// The client id suffix of a filter's connection: stable across restarts and builds.
+fn suffix(filter: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in filter.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("in-{h:016x}")
+}
+
+/// Own the connection: read, hand publishes to the journal task, resubscribe on connect.
+async fn read(
+    mut events: rumqttc::EventLoop,
+    client: AsyncClient,
+    filter: String,
+    qos: QoS,
+    tx: mpsc::UnboundedSender<Publish>,
+    broker: String,
+    stop: CancellationToken,
+) {
+    let mut failures = 0u32;
+    loop {
+        let ev = tokio::select! {
+            _ = stop.cancelled() => break,
+            ev = events.poll() => ev,
+        };
+        match ev {
+            Ok(Event::Incoming(Packet::ConnAck(c))) => {
+                if failures > 0 {
+                    tracing::info!(%broker, %filter, "connected to the broker again");
+                } else {
+                    tracing::info!(%broker, %filter, session_present = c.session_present, "subscribing");
+                }
+                failures = 0;
+                if let Err(e) = client.subscribe(filter.as_str(), qos).await {
+                    tracing::error!(%filter, error = %e, "cannot subscribe");
+                }
+            }
+            Ok(Event::Incoming(Packet::SubAck(s))) => {
+                if s.return_codes.contains(&SubscribeReasonCode::Failure) {
+                    tracing::error!(%broker, %filter, "the broker refused the subscription (check its ACL)");
+                }
+            }
+            Ok(Event::Incoming(Packet::Publish(p))) => {
+                if tx.send(p).is_err() {
+                    break;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                failures += 1;
+                if failures == 1 || failures.is_multiple_of(50) {
+                    tracing::warn!(%broker, %filter, error = %e, failures, "MQTT connection failing; retrying");
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(reconnect_delay(failures)) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Journal what has arrived, then ack it, in arrival order.
+async fn journal(
+    queue: Arc<dyn WorkQueue>,
+    client: AsyncClient,
+    mut rx: mpsc::UnboundedReceiver<Publish>,
+    routes: Vec<Route>,
+    intake: Intake,
+    stop: CancellationToken,
+) {
+    loop {
+        let first = tokio::select! {
+            _ = stop.cancelled() => return,
+            p = rx.recv() => match p { Some(p) => p, None => return },
+        };
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        let items: Vec<WorkItem> = batch
+            .iter()
+            .flat_map(|p| {
+                let topic = p.topic.clone();
+                let msg = message(&topic, p.qos, p.retain, &p.payload);
+                routes.iter().map(move |r| {
+                    WorkItem::cascade(&r.flow, &r.node, format!("mqtt:{topic}"), vec![msg.clone()])
+                })
+            })
+            .collect();
+        let mut failures = 0u32;
+        loop {
+            // Shutting down: acknowledge nothing more; the broker redelivers to the next session.
+            if !intake.is_open() || stop.is_cancelled() {
+                return;
+            }
+            match queue.add(items.clone()).await {
+                Ok(()) => break,
+                Err(e) => {
+                    failures += 1;
+                    if failures == 1 || failures.is_multiple_of(50) {
+                        tracing::warn!(error = %e, messages = batch.len(), "MQTT messages not journaled yet (not acknowledged: the broker keeps them); retrying");
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(reconnect_delay(failures)) => {}
+                    }
+                }
+            }
+        }
+        for p in &batch {
+            if let Err(e) = client.ack(p).await {
+                tracing::warn!(error = %e, "cannot acknowledge an MQTT message; the broker will send it again");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn filter_ids_are_stable() {
+        assert_eq!(
+            super::suffix("home/+/temperature"),
+            super::suffix("home/+/temperature")
+        );
+        assert_ne!(super::suffix("a/#"), super::suffix("a/+"));
+    }
+}

@@ -1,0 +1,181 @@
+//! MQTT in and out, end to end against a mosquitto the test owns: every message journaled
+//! before it is acknowledged, every publish done only when the broker acknowledged it.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use weir::Failpoints;
+use weir_testkit::{start_with, wait_for, Mosquitto, MqttPeer, WeirProcess};
+
+const DOUBLE: &str = r#"
+id: double
+nodes:
+  in: { type: mqtt-in, topic: "sensors/+/reading", qos: 1, to: [double] }
+  double:
+    type: function
+    script: |
+      if type_of(msg.payload) == "map" { msg.payload.n = msg.payload.n * 2; }
+      msg
+    to: [out]
+  out: { type: mqtt-out, topic: "results/{{ msg.topic }}", qos: 1 }
+"#;
+
+async fn publish_range(device: &MqttPeer, range: std::ops::Range<u64>) {
+    for n in range {
+        device
+            .client
+            .publish(
+                format!("sensors/d{}/reading", n % 5),
+                rumqttc::QoS::AtLeastOnce,
+                false,
+                serde_json::to_vec(&json!({ "n": n })).unwrap(),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// How often each `n / 2` arrived (the flow doubles `n`).
+fn arrivals(observer: &MqttPeer) -> HashMap<u64, usize> {
+    let mut seen = HashMap::new();
+    for v in observer.json() {
+        if let Some(n) = v["n"].as_u64() {
+            *seen.entry(n / 2).or_default() += 1;
+        }
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_messages_in_through_a_function_and_out() {
+    let broker = Mosquitto::start();
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let e = start_with(
+        &queue,
+        Some(&broker.url()),
+        &[("double.yaml", DOUBLE)],
+        Failpoints::new(),
+    )
+    .await;
+    let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    publish_range(&device, 0..2000).await;
+    device
+        .client
+        .publish(
+            "sensors/d9/reading",
+            rumqttc::QoS::AtLeastOnce,
+            false,
+            "hello, not JSON",
+        )
+        .await
+        .unwrap();
+    wait_for(
+        "2000 doubled messages and the text one",
+        Duration::from_secs(60),
+        || {
+            arrivals(&observer).len() == 2000
+                && observer
+                    .received()
+                    .iter()
+                    .any(|(_, p)| p == b"hello, not JSON")
+        },
+    )
+    .await;
+    for v in observer.json() {
+        assert_eq!(
+            v["n"].as_u64().unwrap() % 2,
+            0,
+            "every message went through the function: {v}"
+        );
+    }
+    let (topic, _) = observer
+        .received()
+        .into_iter()
+        .find(|(_, p)| p == b"hello, not JSON")
+        .unwrap();
+    assert_eq!(
+        topic, "results/sensors/d9/reading",
+        "the topic template ran"
+    );
+    e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_with_five_thousand_in_flight_loses_none() {
+    let broker = Mosquitto::start();
+    let flows = tempfile::tempdir().unwrap();
+    std::fs::write(flows.path().join("double.yaml"), DOUBLE).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let args = ["--mqtt", &broker.url()];
+    let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    let mut e = WeirProcess::start(flows.path(), &queue, &args).await;
+    // Let the engine subscribe before the device starts (its session then exists).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publish_range(&device, 0..5000).await;
+    wait_for(
+        "some messages through before the kill",
+        Duration::from_secs(30),
+        || observer.count() >= 300,
+    )
+    .await;
+    let before = arrivals(&observer).len();
+    e.kill();
+    println!("killed with {before} of 5000 through");
+    assert!(before < 5000, "the kill came while messages were in flight");
+    let e = WeirProcess::start(flows.path(), &queue, &args).await;
+    wait_for(
+        "all 5000 after the restart",
+        Duration::from_secs(120),
+        || arrivals(&observer).len() == 5000,
+    )
+    .await;
+    let seen = arrivals(&observer);
+    let twice: usize = seen.values().map(|c| c - 1).sum();
+    println!("all 5000 arrived; {twice} arrived more than once");
+    assert_eq!(e.stop(Duration::from_secs(15)).await, Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restart_mid_stream_loses_nothing() {
+    let mut broker = Mosquitto::start();
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let e = start_with(
+        &queue,
+        Some(&broker.url()),
+        &[("double.yaml", DOUBLE)],
+        Failpoints::new(),
+    )
+    .await;
+    let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publish_range(&device, 0..300).await;
+    wait_for("the first 300", Duration::from_secs(30), || {
+        arrivals(&observer).len() == 300
+    })
+    .await;
+    broker.stop();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    broker.restart();
+    publish_range(&device, 300..600).await;
+    wait_for(
+        "all 600, across the broker restart",
+        Duration::from_secs(60),
+        || arrivals(&observer).len() == 600,
+    )
+    .await;
+    let stats: Value = reqwest::get(format!("http://{}/api/stats", e.addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(stats["dead"], 0, "{stats}");
+    e.shutdown().await;
+}
