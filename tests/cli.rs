@@ -14,6 +14,7 @@ fn free_port() -> u16 {
 #[tokio::test]
 async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
     let port = free_port();
+    let broker = weir_testkit::Mosquitto::start();
     let data = tempfile::tempdir().unwrap();
     let queue = format!("sqlite:{}/queue.db", data.path().display());
     let mut child = Command::new(weir_testkit::weir_bin())
@@ -24,6 +25,8 @@ async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
             &format!("127.0.0.1:{port}"),
             "--queue",
             &queue,
+            "--mqtt",
+            &broker.url(),
             "--grace",
             "5",
         ])
@@ -46,6 +49,35 @@ async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
     assert_eq!(r.status(), 200);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["echo"], serde_json::json!({"hi": 1}));
+    // The thermostat example: a cold kitchen switches its heater on.
+    let heater =
+        weir_testkit::MqttPeer::connect(broker.port, "heater", Some("home/+/heater/set")).await;
+    let sensor = weir_testkit::MqttPeer::connect(broker.port, "sensor", None).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while heater.count() == 0 {
+        // Until the engine's subscription is up, a publish may find no one; send again.
+        sensor
+            .client
+            .publish(
+                "home/kitchen/temperature",
+                rumqttc::QoS::AtLeastOnce,
+                false,
+                r#"{"celsius": 16.5}"#,
+            )
+            .await
+            .unwrap();
+        assert!(
+            Instant::now() < deadline,
+            "the heater was never switched on"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (topic, payload) = heater.received().remove(0);
+    assert_eq!(topic, "home/kitchen/heater/set");
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&payload).unwrap(),
+        serde_json::json!({"on": true})
+    );
     let out = Command::new(weir_testkit::weir_bin())
         .args(["queue", "stats", "--url", &base])
         .output()

@@ -51,6 +51,10 @@ fn each_kind_of_mistake_has_its_position() {
         ("nodes:\n  a:\n    type: log\n  a:\n    type: log\n", "f.yaml:4:3: duplicate key `a`"),
         ("nodse: {}\n", "f.yaml:1:1: unknown field `nodse`, did you mean `nodes`?"),
         ("nodes:\n  a:\n    type: cron\n    schedule: '* * * * *'\n    timezone: Mars/Olympus\n", "f.yaml:5:15: node `a`: unknown time zone `Mars/Olympus`"),
+        ("nodes:\n  m:\n    type: mqtt-in\n    topic: home/#/x\n", "f.yaml:4:12: node `m`: `home/#/x` is not a topic filter"),
+        ("nodes:\n  m:\n    type: mqtt-in\n    topic: a/b\n    qos: 3\n", "f.yaml:5:10: node `m`: `qos` is 0, 1 or 2"),
+        ("nodes:\n  o:\n    type: mqtt-out\n    topic: a/+/b\n", "f.yaml:4:12: node `o`: `a/+/b` is not a topic one can publish to"),
+        ("nodes:\n  o:\n    type: mqtt-out\n    topic: 'a/{{ msg. }}'\n", "f.yaml:4:"),
     ];
     for (src, want) in cases {
         let got = errors("f.yaml", src);
