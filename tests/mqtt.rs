@@ -179,3 +179,57 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     assert_eq!(stats["dead"], 0, "{stats}");
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_on_a_shared_subscription_journal_each_message_once() {
+    let broker = Mosquitto::start();
+    let flow = |name: &str| {
+        format!(
+            r#"
+id: shared
+nodes:
+  in: {{ type: mqtt-in, topic: "sensors/+/reading", qos: 1, to: [mark] }}
+  mark: {{ type: set, set: {{ payload.by: {name} }}, to: [out] }}
+  out: {{ type: mqtt-out, topic: "results/{{{{ msg.topic }}}}", qos: 1 }}
+"#
+        )
+    };
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (fa, fb) = (flow("a"), flow("b"));
+    let engine = |dir: &tempfile::TempDir, name: &str| {
+        (
+            format!("sqlite:{}/queue.db", dir.path().display()),
+            format!("{}?client_id=engine-{name}&share=weir", broker.url()),
+        )
+    };
+    let ((qa, ma), (qb, mb)) = (engine(&da, "a"), engine(&db, "b"));
+    let a = start_with(&qa, Some(&ma), &[("shared.yaml", &fa)], Failpoints::new()).await;
+    let b = start_with(&qb, Some(&mb), &[("shared.yaml", &fb)], Failpoints::new()).await;
+    let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    publish_range(&device, 0..400).await;
+    wait_for(
+        "400 messages through one engine or the other",
+        Duration::from_secs(30),
+        || observer.count() >= 400,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let out = observer.json();
+    let mut ns: Vec<u64> = out.iter().filter_map(|v| v["n"].as_u64()).collect();
+    ns.sort_unstable();
+    assert_eq!(
+        ns,
+        (0..400).collect::<Vec<_>>(),
+        "each message once, none twice"
+    );
+    let by_a = out.iter().filter(|v| v["by"] == "a").count();
+    println!("engine a took {by_a}, engine b {}", 400 - by_a);
+    assert!(
+        by_a > 0 && by_a < 400,
+        "the broker shared the work ({by_a} to a)"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}

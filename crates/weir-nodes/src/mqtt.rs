@@ -22,8 +22,9 @@ use crate::script::{self, Template};
 use crate::triggers::Trigger;
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
 
-/// The broker weir talks to: `mqtt://[USER:PASSWORD@]HOST[:PORT]`, with credentials also from
-/// `WEIR_MQTT_USERNAME` / `WEIR_MQTT_PASSWORD`.
+/// The broker weir talks to: `mqtt://[USER:PASSWORD@]HOST[:PORT][?client_id=ID&share=GROUP]`,
+/// with credentials also from `WEIR_MQTT_USERNAME` / `WEIR_MQTT_PASSWORD`, the client id
+/// stem from `WEIR_MQTT_CLIENT_ID` and the share group from `WEIR_MQTT_SHARE`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Broker {
     pub host: String,
@@ -36,6 +37,9 @@ pub struct Broker {
     /// Largest packet in or out, in bytes (rumqttc's own default, 10 KiB, would drop the
     /// connection on one larger message).
     pub max_packet: usize,
+    /// Several engines on one broker: subscribe as `$share/GROUP/FILTER`, so the broker hands
+    /// each message to one of them (each engine then needs its own `client_id`).
+    pub share: Option<String>,
 }
 
 /// The broker `weir run` uses unless told otherwise.
@@ -53,7 +57,23 @@ impl Broker {
                     format!("`{url}` is not a broker URL: mqtt://HOST:PORT")
                 }
             })?;
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
         let rest = rest.trim_end_matches('/');
+        let mut client_id = None;
+        let mut share = None;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("client_id", v)) if !v.is_empty() => client_id = Some(v.to_string()),
+                Some(("share", v)) if !v.is_empty() && !v.contains(['/', '+', '#']) => {
+                    share = Some(v.to_string())
+                }
+                _ => {
+                    return Err(format!(
+                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP)"
+                    ))
+                }
+            }
+        }
         let (creds, hostport) = match rest.rsplit_once('@') {
             Some((c, h)) => (Some(c), h),
             None => (None, rest),
@@ -82,8 +102,11 @@ impl Broker {
             port,
             username: username.or_else(|| env("WEIR_MQTT_USERNAME")),
             password: password.or_else(|| env("WEIR_MQTT_PASSWORD")),
-            client_id: env("WEIR_MQTT_CLIENT_ID").unwrap_or_else(|| "weir".into()),
+            client_id: client_id
+                .or_else(|| env("WEIR_MQTT_CLIENT_ID"))
+                .unwrap_or_else(|| "weir".into()),
             max_packet: 1 << 20,
+            share: share.or_else(|| env("WEIR_MQTT_SHARE")),
         })
     }
 
@@ -114,6 +137,14 @@ impl Broker {
 
     pub fn address(&self) -> String {
         format!("mqtt://{}:{}", self.host, self.port)
+    }
+
+    /// What to subscribe to for `filter`: the filter itself, or its shared form.
+    pub fn subscription(&self, filter: &str) -> String {
+        match &self.share {
+            Some(g) => format!("$share/{g}/{filter}"),
+            None => filter.to_string(),
+        }
     }
 }
 

@@ -13,6 +13,8 @@
 //!   acked, and the broker redelivers the rest to the next session.
 //! - **Reconnects with backoff**, resubscribing on every new connection; a broker that is
 //!   down at start is retried the same way and stops nothing else.
+//! - **Several engines** on one broker subscribe as `$share/GROUP/FILTER` (`share=GROUP`), so
+//!   each message is journaled by one of them.
 
 use std::sync::Arc;
 
@@ -63,6 +65,9 @@ pub fn spawn_all(
             }
         }
     }
+    if broker.share.is_some() && broker.client_id == "weir" {
+        tracing::warn!("MQTT shared subscriptions with the default client id `weir`: engines sharing a broker need one each (client_id=… or WEIR_MQTT_CLIENT_ID), or they take each other's sessions");
+    }
     for (filter, (qos, routes)) in by_filter {
         let (client, events) = AsyncClient::new(broker.options(&suffix(&filter)), 1024);
         let (tx, rx) = mpsc::unbounded_channel();
@@ -70,7 +75,8 @@ pub fn spawn_all(
         let r = routes.clone();
         tracker.spawn(async move { journal(q, c, rx, r, i, s).await });
         let (b, s) = (broker.address(), stop.clone());
-        tracker.spawn(async move { read(events, client, filter, qos, tx, b, s).await });
+        let subscription = broker.subscription(&filter);
+        tracker.spawn(async move { read(events, client, subscription, qos, tx, b, s).await });
     }
 }
 
