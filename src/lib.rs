@@ -402,8 +402,8 @@ impl Drop for Mosquitto {
 
 /// A test's own MQTT client (a device, an observer): polls in the background, acks what it
 /// receives, and keeps it; reconnects by itself.
-/// What a peer received: (topic, payload).
-type Received = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+/// What a peer received: (topic, payload, when).
+type Received = Arc<Mutex<Vec<(String, Vec<u8>, Instant)>>>;
 
 pub struct MqttPeer {
     pub client: rumqttc::AsyncClient,
@@ -441,9 +441,11 @@ impl MqttPeer {
                         }
                     }
                     Ok(rumqttc::Event::Incoming(rumqttc::Packet::Publish(p))) => {
-                        g.lock()
-                            .unwrap()
-                            .push((p.topic.clone(), p.payload.to_vec()));
+                        g.lock().unwrap().push((
+                            p.topic.clone(),
+                            p.payload.to_vec(),
+                            Instant::now(),
+                        ));
                     }
                     Ok(_) => {}
                     Err(rumqttc::ConnectionError::RequestsDone) => return,
@@ -460,7 +462,22 @@ impl MqttPeer {
 
     /// Everything received so far: (topic, payload).
     pub fn received(&self) -> Vec<(String, Vec<u8>)> {
-        self.got.lock().unwrap().clone()
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(t, p, _)| (t.clone(), p.clone()))
+            .collect()
+    }
+
+    /// Payloads with the moment each arrived.
+    pub fn arrivals(&self) -> Vec<(Instant, Vec<u8>)> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, p, at)| (*at, p.clone()))
+            .collect()
     }
 
     pub fn count(&self) -> usize {
@@ -473,7 +490,7 @@ impl MqttPeer {
             .lock()
             .unwrap()
             .iter()
-            .filter_map(|(_, p)| serde_json::from_slice(p).ok())
+            .filter_map(|(_, p, _)| serde_json::from_slice(p).ok())
             .collect()
     }
 }

@@ -1,0 +1,135 @@
+//! MQTT in → function → MQTT out on the durable default (SQLite, synchronous=FULL), beside
+//! the broker's own pass-through (a client publishing straight to a subscriber through the
+//! same broker), measured in the same run: messages per second and latency percentiles.
+//! Every message sent must arrive (checked). Run: `cargo bench --bench mqtt`.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use weir::Failpoints;
+use weir_testkit::{start_with, Mosquitto, MqttPeer};
+
+/// Messages per run: a burst of `BURST` sent as fast as the client can, then `PACED` at
+/// `PACE` apart (latency with no backlog).
+const BURST: u64 = 5000;
+const PACED: u64 = 1000;
+const PACE: Duration = Duration::from_millis(2);
+
+const FLOW: &str = r#"
+id: bench
+nodes:
+  in: { type: mqtt-in, topic: "bench/in/+", qos: 1, to: [work] }
+  work:
+    type: function
+    script: |
+      msg.payload.seen = true;
+      msg
+    to: [out]
+  out: { type: mqtt-out, topic: "bench/out", qos: 1 }
+"#;
+
+struct Figures {
+    rate: f64,
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+/// Publish `n` messages to `topic` (QoS 1, `gap` apart) carrying the time they were sent,
+/// and wait until `observer` has all of them.
+async fn run(
+    device: &MqttPeer,
+    observer: &MqttPeer,
+    topic: &str,
+    base: Instant,
+    count: u64,
+    gap: Option<Duration>,
+) -> Figures {
+    let before = observer.count();
+    let t0 = Instant::now();
+    for n in 0..count {
+        if let Some(g) = gap {
+            tokio::time::sleep(g).await;
+        }
+        let sent = base.elapsed().as_micros() as u64;
+        let body = serde_json::to_vec(&json!({ "n": n, "sent_us": sent })).unwrap();
+        device
+            .client
+            .publish(
+                format!("{topic}/{}", n % 8),
+                rumqttc::QoS::AtLeastOnce,
+                false,
+                body,
+            )
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while observer.count() - before < count as usize {
+        assert!(Instant::now() < deadline, "not every message arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let arrivals = observer.arrivals();
+    let mut seen = HashSet::new();
+    let mut last = t0;
+    let mut lat: Vec<Duration> = Vec::new();
+    for (at, payload) in &arrivals[before..] {
+        let v: serde_json::Value = serde_json::from_slice(payload).unwrap();
+        seen.insert(v["n"].as_u64().unwrap());
+        let sent = Duration::from_micros(v["sent_us"].as_u64().unwrap());
+        lat.push(at.duration_since(base).saturating_sub(sent));
+        last = last.max(*at);
+    }
+    assert_eq!(seen.len() as u64, count, "every message sent arrived");
+    lat.sort_unstable();
+    let pct = |p: f64| lat[((lat.len() as f64 - 1.0) * p) as usize];
+    Figures {
+        rate: count as f64 / last.duration_since(t0).as_secs_f64(),
+        p50: pct(0.5),
+        p99: pct(0.99),
+        max: *lat.last().unwrap(),
+    }
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let broker = Mosquitto::start();
+        let base = Instant::now();
+        let device = MqttPeer::connect(broker.port, "bench-device", None).await;
+
+        let direct = MqttPeer::connect(broker.port, "bench-direct", Some("pass/#")).await;
+        let pass = run(&device, &direct, "pass", base, BURST, None).await;
+        let pass_paced = run(&device, &direct, "pass", base, PACED, Some(PACE)).await;
+        drop(direct);
+
+        let data = tempfile::tempdir().unwrap();
+        let queue = format!("sqlite:{}/queue.db", data.path().display());
+        let e = start_with(&queue, Some(&broker.url()), &[("bench.yaml", FLOW)], Failpoints::new()).await;
+        let observer = MqttPeer::connect(broker.port, "bench-observer", Some("bench/out")).await;
+        tokio::time::sleep(Duration::from_millis(500)).await; // the engine's subscription
+        let weir = run(&device, &observer, "bench/in", base, BURST, None).await;
+        let weir_paced = run(&device, &observer, "bench/in", base, PACED, Some(PACE)).await;
+        e.shutdown().await;
+
+        println!("QoS 1 in and out; mosquitto 20 in flight per client; weir on SQLite WAL synchronous=FULL");
+        println!("burst of {BURST} (latency includes the backlog):");
+        let line = |name: &str, f: &Figures| {
+            println!(
+                "{name:<28} {:>7.0} msg/s   latency p50 {:>8.2?}  p99 {:>8.2?}  max {:>8.2?}",
+                f.rate, f.p50, f.p99, f.max
+            )
+        };
+        line("  broker pass-through", &pass);
+        line("  weir in → function → out", &weir);
+        println!("  ratio (weir / pass-through): {:.2}", weir.rate / pass.rate);
+        println!("{PACED} paced {PACE:?} apart (latency without a backlog):");
+        line("  broker pass-through", &pass_paced);
+        line("  weir in → function → out", &weir_paced);
+    });
+}
