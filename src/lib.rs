@@ -326,12 +326,18 @@ pub struct Mosquitto {
 
 impl Mosquitto {
     pub fn start() -> Mosquitto {
+        Self::start_with("")
+    }
+
+    /// With more configuration lines (another listener, say) after weir's test settings.
+    pub fn start_with(extra: &str) -> Mosquitto {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let port = weir_queue::testing::free_port();
         let conf = format!(
-            "listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n\
+            "per_listener_settings false\nallow_anonymous true\npersistence true\n\
              persistence_location {dir}/\nautosave_interval 1\nmax_queued_messages 1000000\n\
-             max_inflight_messages 20\nlog_dest file {dir}/mosquitto.log\n",
+             max_inflight_messages 20\nlog_dest file {dir}/mosquitto.log\n\
+             listener {port} 127.0.0.1\n{extra}\n",
             dir = dir.path().display()
         );
         std::fs::write(dir.path().join("mosquitto.conf"), conf).expect("write the config");

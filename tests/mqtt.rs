@@ -233,3 +233,83 @@ nodes:
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mqtts_with_a_ca_file() {
+    // A CA, and a broker certificate for 127.0.0.1 signed by it.
+    let certs = tempfile::tempdir().unwrap();
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    params
+        .subject_alt_names
+        .push(rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+    let path = |f: &str| certs.path().join(f).display().to_string();
+    std::fs::write(path("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(path("broker.pem"), cert.pem()).unwrap();
+    std::fs::write(path("broker.key"), key.serialize_pem()).unwrap();
+    let tls_port = weir_queue::testing::free_port();
+    let broker = Mosquitto::start_with(&format!(
+        "listener {tls_port} 127.0.0.1\ncafile {}\ncertfile {}\nkeyfile {}\n",
+        path("ca.pem"),
+        path("broker.pem"),
+        path("broker.key")
+    ));
+    // The engine talks TLS; the test's own clients use the plain listener of the same broker.
+    let url = format!("mqtts://127.0.0.1:{tls_port}?ca={}", path("ca.pem"));
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let e = start_with(
+        &queue,
+        Some(&url),
+        &[("double.yaml", DOUBLE)],
+        Failpoints::new(),
+    )
+    .await;
+    let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    publish_range(&device, 0..50).await;
+    wait_for(
+        "50 messages through the TLS connections",
+        Duration::from_secs(30),
+        || arrivals(&observer).len() == 50,
+    )
+    .await;
+    e.shutdown().await;
+    // A CA that did not sign the broker's certificate is refused: nothing gets through.
+    let other_key = rcgen::KeyPair::generate().unwrap();
+    let mut other = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    other.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    std::fs::write(
+        path("other.pem"),
+        other.self_signed(&other_key).unwrap().pem(),
+    )
+    .unwrap();
+    let wrong = format!(
+        "mqtts://127.0.0.1:{tls_port}?ca={}&client_id=wrong",
+        path("other.pem")
+    );
+    let data2 = tempfile::tempdir().unwrap();
+    let queue2 = format!("sqlite:{}/queue.db", data2.path().display());
+    let e = start_with(
+        &queue2,
+        Some(&wrong),
+        &[("double.yaml", DOUBLE)],
+        Failpoints::new(),
+    )
+    .await;
+    let before = observer.count();
+    publish_range(&device, 50..60).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        observer.count(),
+        before,
+        "an untrusted broker gets no connection"
+    );
+    e.shutdown().await;
+}

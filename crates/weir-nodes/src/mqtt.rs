@@ -23,9 +23,11 @@ use crate::triggers::Trigger;
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
 
 /// The broker weir talks to: `mqtt://[USER:PASSWORD@]HOST[:PORT][?client_id=ID&share=GROUP]`,
-/// with credentials also from `WEIR_MQTT_USERNAME` / `WEIR_MQTT_PASSWORD`, the client id
-/// stem from `WEIR_MQTT_CLIENT_ID` and the share group from `WEIR_MQTT_SHARE`.
-#[derive(Debug, Clone, PartialEq)]
+/// or `mqtts://…` for TLS (port 8883 by default; the system's root certificates, or
+/// `ca=PATH` / `WEIR_MQTT_CA_FILE`), with credentials also from `WEIR_MQTT_USERNAME` /
+/// `WEIR_MQTT_PASSWORD`, the client id stem from `WEIR_MQTT_CLIENT_ID` and the share group
+/// from `WEIR_MQTT_SHARE`.
+#[derive(Debug, Clone)]
 pub struct Broker {
     pub host: String,
     pub port: u16,
@@ -40,6 +42,44 @@ pub struct Broker {
     /// Several engines on one broker: subscribe as `$share/GROUP/FILTER`, so the broker hands
     /// each message to one of them (each engine then needs its own `client_id`).
     pub share: Option<String>,
+    /// TLS to the broker (rustls, ring), checked when the URL is read.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+/// A TLS client configuration trusting `ca_file`, or the system's roots.
+fn tls_config(ca_file: Option<&str>) -> Result<Arc<rustls::ClientConfig>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let pem =
+                std::fs::read(path).map_err(|e| format!("cannot read the CA file {path}: {e}"))?;
+            for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+                let cert = cert.map_err(|e| format!("{path}: not a PEM certificate: {e}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("{path}: unusable certificate: {e}"))?;
+            }
+            if roots.is_empty() {
+                return Err(format!("{path} holds no PEM certificate"));
+            }
+        }
+        None => {
+            for cert in rustls_native_certs::load_native_certs().certs {
+                let _ = roots.add(cert);
+            }
+            if roots.is_empty() {
+                return Err("no system root certificates found; give the broker's CA with ca=PATH or WEIR_MQTT_CA_FILE".into());
+            }
+        }
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| format!("TLS: {e}"))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(Arc::new(cfg))
 }
 
 /// The broker `weir run` uses unless told otherwise.
@@ -47,29 +87,30 @@ pub const DEFAULT_BROKER: &str = "mqtt://127.0.0.1:1883";
 
 impl Broker {
     pub fn parse(url: &str) -> Result<Broker, String> {
-        let rest = url
-            .strip_prefix("mqtt://")
-            .or_else(|| url.strip_prefix("tcp://"))
-            .ok_or_else(|| {
-                if url.starts_with("mqtts://") || url.starts_with("ssl://") {
-                    format!("`{url}`: TLS to the broker is not in this build yet; use mqtt:// (see the README)")
-                } else {
-                    format!("`{url}` is not a broker URL: mqtt://HOST:PORT")
-                }
-            })?;
+        let (tls, rest) = match url.split_once("://") {
+            Some(("mqtt" | "tcp", rest)) => (false, rest),
+            Some(("mqtts" | "ssl", rest)) => (true, rest),
+            _ => {
+                return Err(format!(
+                    "`{url}` is not a broker URL: mqtt://HOST:PORT or mqtts://HOST:PORT"
+                ))
+            }
+        };
         let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
         let rest = rest.trim_end_matches('/');
         let mut client_id = None;
         let mut share = None;
+        let mut ca = None;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("client_id", v)) if !v.is_empty() => client_id = Some(v.to_string()),
+                Some(("ca", v)) if !v.is_empty() && tls => ca = Some(v.to_string()),
                 Some(("share", v)) if !v.is_empty() && !v.contains(['/', '+', '#']) => {
                     share = Some(v.to_string())
                 }
                 _ => {
                     return Err(format!(
-                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP)"
+                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP; with mqtts, ca=PATH)"
                     ))
                 }
             }
@@ -84,7 +125,7 @@ impl Broker {
                 p.parse::<u16>()
                     .map_err(|_| format!("`{url}`: `{p}` is not a port"))?,
             ),
-            None => (hostport, 1883),
+            None => (hostport, if tls { 8883 } else { 1883 }),
         };
         if host.is_empty() {
             return Err(format!("`{url}` names no host"));
@@ -97,6 +138,12 @@ impl Broker {
             None => (None, None),
         };
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let tls = if tls {
+            let ca = ca.or_else(|| env("WEIR_MQTT_CA_FILE"));
+            Some(tls_config(ca.as_deref()).map_err(|e| format!("`{url}`: {e}"))?)
+        } else {
+            None
+        };
         Ok(Broker {
             host: host.to_string(),
             port,
@@ -107,6 +154,7 @@ impl Broker {
                 .unwrap_or_else(|| "weir".into()),
             max_packet: 1 << 20,
             share: share.or_else(|| env("WEIR_MQTT_SHARE")),
+            tls,
         })
     }
 
@@ -132,11 +180,17 @@ impl Broker {
         if let Some(u) = &self.username {
             o.set_credentials(u.clone(), self.password.clone().unwrap_or_default());
         }
+        if let Some(cfg) = &self.tls {
+            o.set_transport(rumqttc::Transport::tls_with_config(
+                rumqttc::TlsConfiguration::Rustls(cfg.clone()),
+            ));
+        }
         o
     }
 
     pub fn address(&self) -> String {
-        format!("mqtt://{}:{}", self.host, self.port)
+        let scheme = if self.tls.is_some() { "mqtts" } else { "mqtt" };
+        format!("{scheme}://{}:{}", self.host, self.port)
     }
 
     /// What to subscribe to for `filter`: the filter itself, or its shared form.
