@@ -313,3 +313,55 @@ async fn mqtts_with_a_ca_file() {
     );
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_bridges_two_named_brokers() {
+    let (plant, cloud) = (Mosquitto::start(), Mosquitto::start());
+    let flow = r#"
+id: bridge
+nodes:
+  in: { type: mqtt-in, topic: "sensors/+/reading", to: [out] }
+  out: { type: mqtt-out, broker: cloud, topic: "plant/{{ msg.topic }}" }
+"#;
+    let data = tempfile::tempdir().unwrap();
+    let e = weir::Engine::builder()
+        .queue_url(format!("sqlite:{}/queue.db", data.path().display()))
+        .mqtt(plant.url())
+        .mqtt_broker("cloud", cloud.url())
+        .http("127.0.0.1:0".parse().unwrap())
+        .flow_str("bridge.yaml", flow)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let observer = MqttPeer::connect(cloud.port, "observer", Some("plant/#")).await;
+    let device = MqttPeer::connect(plant.port, "device", None).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publish_range(&device, 0..20).await;
+    wait_for(
+        "20 messages carried from one broker to the other",
+        Duration::from_secs(20),
+        || observer.count() == 20,
+    )
+    .await;
+    assert!(observer.received()[0].0.starts_with("plant/sensors/"));
+    e.shutdown().await;
+
+    // A broker name the engine was not given is refused at load, where it is written.
+    let err = weir::Engine::builder()
+        .mqtt(plant.url())
+        .mqtt_broker("cloud", cloud.url())
+        .flow_str(
+            "bad.yaml",
+            "nodes:\n  o:\n    type: mqtt-out\n    broker: clod\n    topic: x\n",
+        )
+        .build()
+        .err()
+        .expect("an unknown broker is refused");
+    assert!(
+        err.to_string()
+            .contains("bad.yaml:4:13: node `o`: no broker named `clod` (known: cloud)"),
+        "{err}"
+    );
+}

@@ -87,9 +87,8 @@ impl Library {
         l.register(crate::triggers::WebhookFactory);
         l.register(crate::triggers::CronFactory);
         l.register(crate::triggers::ManualFactory);
-        l.register(crate::mqtt::InFactory);
-        let hub = l.mqtt.clone();
-        l.register(crate::mqtt::OutFactory(hub));
+        l.register(crate::mqtt::InFactory(l.mqtt.clone()));
+        l.register(crate::mqtt::OutFactory(l.mqtt.clone()));
         l
     }
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use rumqttc::{AsyncClient, Event, MqttOptions, Outgoing, Packet, QoS};
 use serde::Deserialize;
 use serde_json::Value;
-use tokio::sync::{oneshot, OnceCell};
+use tokio::sync::oneshot;
 use weir_flow::{Spanned, Yaml};
 use weir_queue::Message;
 
@@ -221,76 +221,118 @@ struct Publisher {
     waiters: Arc<Mutex<Waiters>>,
 }
 
-/// The engine's MQTT side shared by its nodes: the broker settings and, started on first use,
-/// the connection that publishes.
+/// The engine's MQTT side shared by its nodes: the default broker and any named ones, and,
+/// started on first use, one publishing connection per broker.
+#[derive(Default)]
 pub struct MqttHub {
-    broker: Mutex<Option<Broker>>,
-    publisher: OnceCell<Publisher>,
-}
-
-impl Default for MqttHub {
-    fn default() -> Self {
-        MqttHub {
-            broker: Mutex::new(None),
-            publisher: OnceCell::new(),
-        }
-    }
+    default: Mutex<Option<Broker>>,
+    named: Mutex<HashMap<String, Broker>>,
+    /// Set once the engine has given its brokers: from then on a node naming an unknown one
+    /// is refused at load (before that, as in `weir validate`, names are taken on trust).
+    configured: std::sync::atomic::AtomicBool,
+    publishers: tokio::sync::Mutex<HashMap<String, Arc<Publisher>>>,
 }
 
 impl MqttHub {
-    /// Use `broker` (before the first publish; the default is `WEIR_MQTT` or
-    /// [`DEFAULT_BROKER`]).
+    /// Use `broker` as the default (the default default is `WEIR_MQTT` or [`DEFAULT_BROKER`]).
     pub fn set_broker(&self, broker: Broker) {
-        *self.broker.lock().unwrap_or_else(|p| p.into_inner()) = Some(broker);
+        *self.default.lock().unwrap_or_else(|p| p.into_inner()) = Some(broker);
+        self.configured
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub fn broker(&self) -> Result<Broker, String> {
-        let mut b = self.broker.lock().unwrap_or_else(|p| p.into_inner());
-        if b.is_none() {
-            *b = Some(Broker::from_env()?);
+    /// Add a broker that flows name with `broker: NAME`.
+    pub fn add_broker(&self, name: &str, broker: Broker) {
+        self.named
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.to_string(), broker);
+        self.configured
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a flow may name `name` (always, until the engine has given its brokers).
+    pub fn knows(&self, name: &str) -> Result<(), String> {
+        let named = self.named.lock().unwrap_or_else(|p| p.into_inner());
+        if named.contains_key(name) || !self.configured.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
         }
-        Ok(b.clone().unwrap_or_else(|| unreachable!()))
+        let mut known: Vec<&str> = named.keys().map(String::as_str).collect();
+        known.sort_unstable();
+        Err(if known.is_empty() {
+            format!("no broker named `{name}` (name brokers with --mqtt-broker NAME=URL)")
+        } else {
+            format!("no broker named `{name}` (known: {})", known.join(", "))
+        })
     }
 
-    async fn publisher(&self) -> Result<&Publisher, NodeError> {
-        let broker = self.broker().map_err(NodeError::permanent)?;
-        self.publisher
-            .get_or_try_init(|| async move {
-                let (client, mut events) = AsyncClient::new(broker.options("out"), 4096);
-                let waiters = Arc::new(Mutex::new(Waiters::default()));
-                let w = waiters.clone();
-                let address = broker.address();
-                // Owned by the hub: it ends when the hub (and so the client) is dropped.
-                tokio::spawn(async move {
-                    let mut failures = 0u32;
-                    loop {
-                        match events.poll().await {
-                            Ok(ev) => {
-                                if failures > 0 {
-                                    tracing::info!(broker = %address, "publishing connection is back");
-                                    failures = 0;
-                                }
-                                track(&w, ev);
-                            }
-                            Err(rumqttc::ConnectionError::RequestsDone) => return,
-                            Err(e) => {
-                                failures += 1;
-                                if failures == 1 || failures.is_multiple_of(50) {
-                                    tracing::warn!(broker = %address, error = %e, failures, "cannot publish to the broker; retrying");
-                                }
-                                tokio::time::sleep(reconnect_delay(failures)).await;
-                            }
+    /// The broker a node names, or the default one.
+    pub fn broker(&self, name: Option<&str>) -> Result<Broker, String> {
+        if let Some(n) = name {
+            self.knows(n)?;
+            return self
+                .named
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(n)
+                .cloned()
+                .ok_or_else(|| format!("no broker named `{n}`"));
+        }
+        let mut b = self.default.lock().unwrap_or_else(|p| p.into_inner());
+        match &*b {
+            Some(b) => Ok(b.clone()),
+            None => {
+                let d = Broker::from_env()?;
+                *b = Some(d.clone());
+                Ok(d)
+            }
+        }
+    }
+
+    async fn publisher(&self, name: Option<&str>) -> Result<Arc<Publisher>, NodeError> {
+        let key = name.unwrap_or_default().to_string();
+        let mut all = self.publishers.lock().await;
+        if let Some(p) = all.get(&key) {
+            return Ok(p.clone());
+        }
+        let broker = self.broker(name).map_err(NodeError::permanent)?;
+        let (client, mut events) = AsyncClient::new(broker.options("out"), 4096);
+        let waiters = Arc::new(Mutex::new(Waiters::default()));
+        let w = waiters.clone();
+        let address = broker.address();
+        // Owned by the hub: it ends when the hub (and so the client) is dropped.
+        tokio::spawn(async move {
+            let mut failures = 0u32;
+            loop {
+                match events.poll().await {
+                    Ok(ev) => {
+                        if failures > 0 {
+                            tracing::info!(broker = %address, "publishing connection is back");
+                            failures = 0;
                         }
+                        track(&w, ev);
                     }
-                });
-                Ok::<_, NodeError>(Publisher { client, waiters })
-            })
-            .await
+                    Err(rumqttc::ConnectionError::RequestsDone) => return,
+                    Err(e) => {
+                        failures += 1;
+                        if failures == 1 || failures.is_multiple_of(50) {
+                            tracing::warn!(broker = %address, error = %e, failures, "cannot publish to the broker; retrying");
+                        }
+                        tokio::time::sleep(reconnect_delay(failures)).await;
+                    }
+                }
+            }
+        });
+        let p = Arc::new(Publisher { client, waiters });
+        all.insert(key, p.clone());
+        Ok(p)
     }
 
-    /// Publish and wait until the broker has it (QoS ≥ 1) or it is sent (QoS 0).
+    /// Publish through broker `name` (or the default) and wait until the broker has it
+    /// (QoS ≥ 1) or it is sent (QoS 0).
     pub async fn publish(
         &self,
+        name: Option<&str>,
         topic: &str,
         qos: QoS,
         retain: bool,
@@ -301,7 +343,7 @@ impl MqttHub {
                 "`{topic}` is not a topic one can publish to"
             )));
         }
-        let p = self.publisher().await?;
+        let p = self.publisher(name).await?;
         let (tx, rx) = oneshot::channel();
         {
             // Queue the caller and the packet together, so that their orders agree.
@@ -374,8 +416,23 @@ struct OutConfig {
     retain: bool,
     /// A fixed payload instead of `msg.payload`.
     payload: Option<Value>,
+    /// A broker the engine names (`--mqtt-broker NAME=URL`) instead of the default one.
+    broker: Option<Spanned<String>>,
     #[serde(default)]
     to: Wires,
+}
+
+/// A node's `broker: NAME`, checked against the brokers the engine was given.
+fn broker_name(
+    hub: &MqttHub,
+    b: &Option<Spanned<String>>,
+    errors: &mut Vec<ConfigError>,
+) -> Option<String> {
+    let b = b.as_ref()?;
+    if let Err(e) = hub.knows(&b.value) {
+        errors.push(ConfigError::at(b.pos, e));
+    }
+    Some(b.value.clone())
 }
 
 fn one() -> Spanned<u8> {
@@ -420,12 +477,14 @@ impl NodeFactory for OutFactory {
         if q.is_none() {
             errors.push(ConfigError::at(c.qos.pos, "`qos` is 0, 1 or 2"));
         }
+        let broker = broker_name(&self.0, &c.broker, &mut errors);
         if !errors.is_empty() {
             return Err(errors);
         }
         Ok(Built {
             node: Arc::new(Out {
                 hub: self.0.clone(),
+                broker,
                 engine,
                 topic,
                 qos: q.unwrap_or(QoS::AtLeastOnce),
@@ -439,6 +498,7 @@ impl NodeFactory for OutFactory {
 
 struct Out {
     hub: Arc<MqttHub>,
+    broker: Option<String>,
     engine: rhai::Engine,
     topic: Option<Template>,
     qos: QoS,
@@ -479,7 +539,13 @@ impl Node for Out {
                 .unwrap_or(&Value::Null),
         );
         self.hub
-            .publish(&topic, self.qos, self.retain, payload)
+            .publish(
+                self.broker.as_deref(),
+                &topic,
+                self.qos,
+                self.retain,
+                payload,
+            )
             .await?;
         Ok(Emit::one(msg))
     }
@@ -492,6 +558,8 @@ impl Node for Out {
 pub struct MqttInSpec {
     pub filter: String,
     pub qos: QoS,
+    /// A broker the engine names, or the default one.
+    pub broker: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -501,11 +569,13 @@ struct InConfig {
     topic: Spanned<String>,
     #[serde(default = "one")]
     qos: Spanned<u8>,
+    /// A broker the engine names (`--mqtt-broker NAME=URL`) instead of the default one.
+    broker: Option<Spanned<String>>,
     #[serde(default)]
     to: Wires,
 }
 
-pub struct InFactory;
+pub struct InFactory(pub Arc<MqttHub>);
 
 impl NodeFactory for InFactory {
     fn kind(&self) -> &str {
@@ -529,6 +599,7 @@ impl NodeFactory for InFactory {
         if q.is_none() {
             errors.push(ConfigError::at(c.qos.pos, "`qos` is 0, 1 or 2"));
         }
+        let broker = broker_name(&self.0, &c.broker, &mut errors);
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -536,6 +607,7 @@ impl NodeFactory for InFactory {
             node: Arc::new(crate::triggers::Source(Trigger::Mqtt(MqttInSpec {
                 filter: c.topic.value,
                 qos: q.unwrap_or(QoS::AtLeastOnce),
+                broker,
             }))),
             ports: vec![c.to.0],
         })

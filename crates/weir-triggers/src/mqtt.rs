@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use weir_exec::Flows;
-use weir_nodes::mqtt::{message, reconnect_delay, Broker};
+use weir_nodes::mqtt::{message, reconnect_delay, MqttHub};
 use weir_nodes::triggers::Trigger;
 use weir_queue::{WorkItem, WorkQueue};
 
@@ -39,21 +39,23 @@ struct Route {
 /// Messages journaled per `add` at most.
 const MAX_BATCH: usize = 512;
 
-/// Subscribe for every `mqtt-in` node of `flows`: one connection per distinct filter.
+/// Subscribe for every `mqtt-in` node of `flows`: one connection per distinct filter and
+/// broker. Fails (starting nothing) when a node names a broker the hub does not know.
 pub fn spawn_all(
     queue: Arc<dyn WorkQueue>,
     flows: &Flows,
-    broker: &Broker,
+    hub: &MqttHub,
     intake: Intake,
     tracker: &TaskTracker,
     stop: CancellationToken,
-) {
-    let mut by_filter: std::collections::BTreeMap<String, (QoS, Vec<Route>)> = Default::default();
+) -> Result<(), String> {
+    type Key = (Option<String>, String);
+    let mut by_filter: std::collections::BTreeMap<Key, (QoS, Vec<Route>)> = Default::default();
     for f in flows.all() {
         for (node, t) in f.flow.triggers() {
             if let Trigger::Mqtt(spec) = t {
                 let e = by_filter
-                    .entry(spec.filter.clone())
+                    .entry((spec.broker.clone(), spec.filter.clone()))
                     .or_insert((spec.qos, Vec::new()));
                 if (spec.qos as u8) > (e.0 as u8) {
                     e.0 = spec.qos;
@@ -65,10 +67,15 @@ pub fn spawn_all(
             }
         }
     }
-    if broker.share.is_some() && broker.client_id == "weir" {
-        tracing::warn!("MQTT shared subscriptions with the default client id `weir`: engines sharing a broker need one each (client_id=… or WEIR_MQTT_CLIENT_ID), or they take each other's sessions");
+    let mut plan = Vec::new();
+    for ((name, filter), (qos, routes)) in by_filter {
+        let broker = hub.broker(name.as_deref())?;
+        if broker.share.is_some() && broker.client_id == "weir" {
+            tracing::warn!(broker = %broker.address(), "MQTT shared subscriptions with the default client id `weir`: engines sharing a broker need one each (client_id=… or WEIR_MQTT_CLIENT_ID), or they take each other's sessions");
+        }
+        plan.push((broker, filter, qos, routes));
     }
-    for (filter, (qos, routes)) in by_filter {
+    for (broker, filter, qos, routes) in plan {
         let (client, events) = AsyncClient::new(broker.options(&suffix(&filter)), 1024);
         let (tx, rx) = mpsc::unbounded_channel();
         let (q, c, i, s) = (queue.clone(), client.clone(), intake.clone(), stop.clone());
@@ -78,6 +85,7 @@ pub fn spawn_all(
         let subscription = broker.subscription(&filter);
         tracker.spawn(async move { read(events, client, subscription, qos, tx, b, s).await });
     }
+    Ok(())
 }
 
 /// The client id suffix of a filter's connection: stable across restarts and builds.

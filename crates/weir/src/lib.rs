@@ -68,6 +68,7 @@ pub struct EngineBuilder {
     sources: Vec<(String, String)>,
     queue: QueueChoice,
     mqtt: Option<String>,
+    brokers: Vec<(String, String)>,
     http: SocketAddr,
     exec: ExecConfig,
     failpoints: Failpoints,
@@ -106,6 +107,12 @@ impl EngineBuilder {
         self
     }
 
+    /// A broker that flows name with `broker: NAME` on their mqtt-in and mqtt-out nodes.
+    pub fn mqtt_broker(mut self, name: impl Into<String>, url: impl Into<String>) -> Self {
+        self.brokers.push((name.into(), url.into()));
+        self
+    }
+
     /// Where webhooks and the admin API listen (port 0: any free port).
     pub fn http(mut self, addr: SocketAddr) -> Self {
         self.http = addr;
@@ -134,6 +141,11 @@ impl EngineBuilder {
         let mqtt = self.library.mqtt();
         if let Some(url) = &self.mqtt {
             mqtt.set_broker(weir_nodes::mqtt::Broker::parse(url).map_err(EngineError::Config)?);
+        }
+        for (name, url) in &self.brokers {
+            let b = weir_nodes::mqtt::Broker::parse(url)
+                .map_err(|e| EngineError::Config(format!("broker `{name}`: {e}")))?;
+            mqtt.add_broker(name, b);
         }
         let mut flows = self.library.load_paths(&self.paths)?;
         flows.extend(self.library.load_strs(&self.sources)?);
@@ -183,6 +195,7 @@ impl Engine {
             sources: Vec::new(),
             queue: QueueChoice::Url(DEFAULT_QUEUE.into()),
             mqtt: None,
+            brokers: Vec::new(),
             http: SocketAddr::from(([127, 0, 0, 1], 8080)),
             exec: ExecConfig::default(),
             failpoints: Failpoints::from_env(),
@@ -226,15 +239,15 @@ impl Engine {
                 .any(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Mqtt(_)))
         });
         if needs_mqtt {
-            let broker = self.mqtt.broker().map_err(EngineError::Config)?;
             weir_triggers::mqtt::spawn_all(
                 queue.clone(),
                 &self.flows,
-                &broker,
+                &self.mqtt,
                 intake.clone(),
                 &tracker,
                 stop.clone(),
-            );
+            )
+            .map_err(EngineError::Config)?;
         }
         let app = weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone())
             .merge(admin::router(queue.clone(), self.flows.clone()))

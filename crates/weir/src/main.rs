@@ -35,6 +35,9 @@ enum Cmd {
         /// client ids from WEIR_MQTT_CLIENT_ID, default `weir`).
         #[arg(long, env = "WEIR_MQTT", default_value = weir::weir_nodes::mqtt::DEFAULT_BROKER)]
         mqtt: String,
+        /// Another broker, which flows name with `broker: NAME` (repeatable): `NAME=URL`.
+        #[arg(long = "mqtt-broker", value_name = "NAME=URL")]
+        mqtt_brokers: Vec<String>,
         /// Address for webhooks and the admin API.
         #[arg(long, env = "WEIR_HTTP", default_value = "127.0.0.1:8080")]
         http: SocketAddr,
@@ -158,6 +161,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             flows,
             queue,
             mqtt,
+            mqtt_brokers,
             http,
             grace,
             consumer,
@@ -171,7 +175,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if let Some(c) = consumer {
                 cfg.consumer = c;
             }
-            let engine = Engine::builder()
+            let mut builder = Engine::builder();
+            for b in &mqtt_brokers {
+                let Some((name, url)) = b.split_once('=').filter(|(n, _)| !n.is_empty()) else {
+                    anyhow::bail!("--mqtt-broker `{b}`: give NAME=URL");
+                };
+                builder = builder.mqtt_broker(name, url);
+            }
+            let engine = builder
                 .flows_dir(&flows)
                 .queue_url(queue)
                 .mqtt(mqtt)
