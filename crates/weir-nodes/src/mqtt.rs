@@ -26,7 +26,7 @@ use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFacto
 /// or `mqtts://…` for TLS (port 8883 by default; the system's root certificates, or
 /// `ca=PATH` / `WEIR_MQTT_CA_FILE`), with credentials also from `WEIR_MQTT_USERNAME` /
 /// `WEIR_MQTT_PASSWORD`, the client id stem from `WEIR_MQTT_CLIENT_ID` and the share group
-/// from `WEIR_MQTT_SHARE`.
+/// from `WEIR_MQTT_SHARE`; `max_packet=BYTES` (default 1 MiB) bounds packets both ways.
 #[derive(Debug, Clone)]
 pub struct Broker {
     pub host: String,
@@ -101,16 +101,22 @@ impl Broker {
         let mut client_id = None;
         let mut share = None;
         let mut ca = None;
+        let mut max_packet = 1 << 20;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("client_id", v)) if !v.is_empty() => client_id = Some(v.to_string()),
                 Some(("ca", v)) if !v.is_empty() && tls => ca = Some(v.to_string()),
+                Some(("max_packet", v)) => {
+                    max_packet = v.parse().ok().filter(|n| (1024..=256 << 20).contains(n)).ok_or_else(|| {
+                        format!("`{url}`: `max_packet={v}` is a size in bytes from 1024 to 268435456")
+                    })?
+                }
                 Some(("share", v)) if !v.is_empty() && !v.contains(['/', '+', '#']) => {
                     share = Some(v.to_string())
                 }
                 _ => {
                     return Err(format!(
-                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP; with mqtts, ca=PATH)"
+                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP, max_packet=BYTES; with mqtts, ca=PATH)"
                     ))
                 }
             }
@@ -152,7 +158,7 @@ impl Broker {
             client_id: client_id
                 .or_else(|| env("WEIR_MQTT_CLIENT_ID"))
                 .unwrap_or_else(|| "weir".into()),
-            max_packet: 1 << 20,
+            max_packet,
             share: share.or_else(|| env("WEIR_MQTT_SHARE")),
             tls,
         })
