@@ -329,10 +329,18 @@ impl Mosquitto {
         Self::start_with("")
     }
 
+    /// On a port chosen by the test.
+    pub fn start_on(port: u16) -> Mosquitto {
+        Self::start_at(port, "")
+    }
+
     /// With more configuration lines (another listener, say) after weir's test settings.
     pub fn start_with(extra: &str) -> Mosquitto {
+        Self::start_at(weir_queue::testing::free_port(), extra)
+    }
+
+    fn start_at(port: u16, extra: &str) -> Mosquitto {
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let port = weir_queue::testing::free_port();
         let conf = format!(
             "per_listener_settings false\nallow_anonymous true\npersistence true\n\
              persistence_location {dir}/\nautosave_interval 1\nmax_queued_messages 1000000\n\
@@ -425,7 +433,8 @@ impl MqttPeer {
         o.set_clean_session(false)
             .set_keep_alive(Duration::from_secs(30))
             .set_max_packet_size(1 << 20, 1 << 20)
-            .set_request_channel_capacity(10_000);
+            .set_request_channel_capacity(10_000)
+            .set_inflight(20);
         let (client, mut events) = rumqttc::AsyncClient::new(o, 10_000);
         let got: Received = Arc::default();
         let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();

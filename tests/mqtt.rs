@@ -365,3 +365,111 @@ nodes:
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos_0_and_2_and_three_flows_on_one_filter() {
+    let broker = Mosquitto::start();
+    let flow = |id: &str, qin: u8, qout: u8| {
+        format!(
+            r#"
+id: {id}
+nodes:
+  in: {{ type: mqtt-in, topic: "q/#", qos: {qin}, to: [out] }}
+  out: {{ type: mqtt-out, topic: "done/{id}", qos: {qout} }}
+"#
+        )
+    };
+    // Three flows on the same filter (one connection, one subscription): two publish at QoS 2
+    // (more publishes in flight together than mosquitto allows a client: 20), one at QoS 0.
+    let (f2, f0, f2b) = (
+        flow("exact", 2, 2),
+        flow("loose", 2, 0),
+        flow("exact2", 2, 2),
+    );
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let e = start_with(
+        &queue,
+        Some(&broker.url()),
+        &[
+            ("exact.yaml", &f2),
+            ("loose.yaml", &f0),
+            ("exact2.yaml", &f2b),
+        ],
+        Failpoints::new(),
+    )
+    .await;
+    let observer = MqttPeer::connect(broker.port, "observer", Some("done/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for n in 0..50u64 {
+        device
+            .client
+            .publish("q/x", rumqttc::QoS::ExactlyOnce, false, n.to_string())
+            .await
+            .unwrap();
+    }
+    wait_for("50 through each flow", Duration::from_secs(20), || {
+        observer.count() >= 150
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got = observer.received();
+    for id in ["exact", "loose", "exact2"] {
+        let mut ns: Vec<u64> = got
+            .iter()
+            .filter(|(t, _)| t == &format!("done/{id}"))
+            .map(|(_, p)| String::from_utf8_lossy(p).parse().unwrap())
+            .collect();
+        ns.sort_unstable();
+        assert_eq!(
+            ns,
+            (0..50).collect::<Vec<_>>(),
+            "flow {id}: each message once, as a number"
+        );
+    }
+    e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_down_at_start_is_waited_for_and_stops_nothing_else() {
+    // Nothing listens on this port yet.
+    let port = weir_queue::testing::free_port();
+    let flows = [
+        ("double.yaml", DOUBLE),
+        ("hook.yaml", "nodes:\n  h: { type: webhook, path: ping, respond: wave, to: [r] }\n  r: { type: http-response }\n"),
+    ];
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let e = start_with(
+        &queue,
+        Some(&format!("mqtt://127.0.0.1:{port}")),
+        &flows,
+        Failpoints::new(),
+    )
+    .await;
+    let r = weir_testkit::post_json(&e, "ping", json!("up")).await;
+    assert_eq!(
+        r.status(),
+        200,
+        "the other flows run while the broker is down"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The broker comes up on that port: the engine connects and subscribes by itself.
+    let broker = Mosquitto::start_on(port);
+    let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut n = 0;
+    while arrivals(&observer).is_empty() {
+        // Until the engine's subscription is up, a message finds no one; send another.
+        publish_range(&device, n..n + 1).await;
+        n += 1;
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    e.shutdown().await;
+}

@@ -26,7 +26,8 @@ use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFacto
 /// or `mqtts://…` for TLS (port 8883 by default; the system's root certificates, or
 /// `ca=PATH` / `WEIR_MQTT_CA_FILE`), with credentials also from `WEIR_MQTT_USERNAME` /
 /// `WEIR_MQTT_PASSWORD`, the client id stem from `WEIR_MQTT_CLIENT_ID` and the share group
-/// from `WEIR_MQTT_SHARE`; `max_packet=BYTES` (default 1 MiB) bounds packets both ways.
+/// from `WEIR_MQTT_SHARE`; `max_packet=BYTES` (default 1 MiB) bounds packets both ways and
+/// `inflight=N` (default 20) the publishes awaiting their ack.
 #[derive(Debug, Clone)]
 pub struct Broker {
     pub host: String,
@@ -39,6 +40,9 @@ pub struct Broker {
     /// Largest packet in or out, in bytes (rumqttc's own default, 10 KiB, would drop the
     /// connection on one larger message).
     pub max_packet: usize,
+    /// Publishes in flight (sent, not yet acknowledged) per connection. mosquitto stalls a
+    /// client that has more than its `max_inflight_messages` (20) QoS 2 publishes out.
+    pub inflight: u16,
     /// Several engines on one broker: subscribe as `$share/GROUP/FILTER`, so the broker hands
     /// each message to one of them (each engine then needs its own `client_id`).
     pub share: Option<String>,
@@ -102,10 +106,16 @@ impl Broker {
         let mut share = None;
         let mut ca = None;
         let mut max_packet = 1 << 20;
+        let mut inflight = 20;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("client_id", v)) if !v.is_empty() => client_id = Some(v.to_string()),
                 Some(("ca", v)) if !v.is_empty() && tls => ca = Some(v.to_string()),
+                Some(("inflight", v)) => {
+                    inflight = v.parse().ok().filter(|n| (1..=1000).contains(n)).ok_or_else(|| {
+                        format!("`{url}`: `inflight={v}` is a number from 1 to 1000")
+                    })?
+                }
                 Some(("max_packet", v)) => {
                     max_packet = v.parse().ok().filter(|n| (1024..=256 << 20).contains(n)).ok_or_else(|| {
                         format!("`{url}`: `max_packet={v}` is a size in bytes from 1024 to 268435456")
@@ -116,7 +126,7 @@ impl Broker {
                 }
                 _ => {
                     return Err(format!(
-                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP, max_packet=BYTES; with mqtts, ca=PATH)"
+                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP, max_packet=BYTES, inflight=N; with mqtts, ca=PATH)"
                     ))
                 }
             }
@@ -159,6 +169,7 @@ impl Broker {
                 .or_else(|| env("WEIR_MQTT_CLIENT_ID"))
                 .unwrap_or_else(|| "weir".into()),
             max_packet,
+            inflight,
             share: share.or_else(|| env("WEIR_MQTT_SHARE")),
             tls,
         })
@@ -182,7 +193,7 @@ impl Broker {
             .set_manual_acks(true)
             .set_max_packet_size(self.max_packet, self.max_packet)
             .set_request_channel_capacity(4096)
-            .set_inflight(100);
+            .set_inflight(self.inflight);
         if let Some(u) = &self.username {
             o.set_credentials(u.clone(), self.password.clone().unwrap_or_default());
         }
