@@ -302,12 +302,29 @@ impl Executor {
     }
 }
 
-/// Backoff for try `attempt` (1-based): base·2^(attempt-1), capped, with ±20% jitter.
-pub fn backoff(cfg: &ExecConfig, attempt: u32) -> Duration {
-    let exp = cfg
-        .retry_base
-        .saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
-    let d = exp.min(cfg.retry_cap);
+/// Backoff for try `attempt` (1-based): base·2^(attempt-1), capped, with ±20% jitter (so
+/// items that failed together do not all come back together), never past the cap.
+pub fn backoff(base: Duration, cap: Duration, attempt: u32) -> Duration {
+    let exp = base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
     let jitter: f64 = rand::random_range(0.8..1.2);
-    d.mul_f64(jitter)
+    exp.min(cap).mul_f64(jitter).min(cap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_jitter_up_to_the_cap() {
+        let (base, cap) = (Duration::from_secs(1), Duration::from_secs(300));
+        for attempt in 1..=12 {
+            let want = Duration::from_secs(1 << (attempt - 1)).min(cap);
+            let got = backoff(base, cap, attempt);
+            assert!(
+                got >= want.mul_f64(0.8) && got <= want.mul_f64(1.2).min(cap),
+                "{attempt}: {got:?}"
+            );
+        }
+        assert_eq!(backoff(base, cap, 1000), backoff(base, cap, 1000).min(cap));
+    }
 }

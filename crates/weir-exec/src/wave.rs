@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::Instrument;
-use weir_nodes::{Emit, NodeCx, NodeError};
+use weir_nodes::{Emit, NodeCx, NodeError, WaveOut};
 use weir_queue::{
-    now_ms, Claimed, Committed, DoneKey, End, Message, Reply, StateKey, WaveEffects, WorkItem,
+    now_ms, Claimed, Committed, DoneKey, End, ItemKind, Message, Reply, StateKey, WaveEffects,
+    WorkItem,
 };
 use weir_state::Overlay;
 
@@ -160,8 +161,9 @@ impl Executor {
     async fn run_wave(&self, f: &FlowRt, item: &WorkItem, start: usize) -> Outcome {
         let flow = &f.flow;
         let mut pending: VecDeque<(usize, Message)> = VecDeque::new();
-        if item.attempt > 0 {
-            // A retry at a node: run that node again with the input it failed on.
+        if item.attempt > 0 || item.kind == ItemKind::Flush {
+            // A retry at a node (run it again with the input it failed on), or a flush (the
+            // node releases what it held back).
             for m in item.outputs.first().into_iter().flatten() {
                 pending.push_back((start, m.clone()));
             }
@@ -175,8 +177,7 @@ impl Executor {
             }
         }
         let mut overlay = Overlay::new();
-        let mut scheduled = Vec::new();
-        let mut replies = Vec::new();
+        let mut out = WaveOut::default();
         let mut fx = WaveEffects::ending(End::Ack);
         let mut failures = Vec::new();
         let mut steps = 0usize;
@@ -223,8 +224,7 @@ impl Executor {
                         item,
                         &*self.queue,
                         &mut overlay,
-                        &mut scheduled,
-                        &mut replies,
+                        &mut out,
                     );
                     let r = match tokio::time::timeout(
                         self.cfg.node_timeout,
@@ -268,14 +268,14 @@ impl Executor {
                 Err(e) => {
                     tracing::warn!(node = %node.id, error = %e, "node failed");
                     failures.push(format!("node `{}`: {e}", node.id));
-                    self.failure(item, &node.id, msg, e, &mut fx);
+                    self.failure(item, &node.id, node.retry, msg, e, &mut fx);
                 }
             }
         }
         fx.state = overlay.into_writes();
-        for s in scheduled {
-            fx.delayed.push(s);
-        }
+        fx.delayed.extend(out.scheduled);
+        fx.dead.extend(out.dead);
+        let replies = out.replies;
         if !failures.is_empty() {
             fx.outcome = Some(format!("done with failures: {}", failures.join("; ")));
         }
@@ -287,10 +287,15 @@ impl Executor {
         &self,
         item: &WorkItem,
         node: &str,
+        retry: Option<weir_nodes::Retry>,
         input: Message,
         e: NodeError,
         fx: &mut WaveEffects,
     ) {
+        let (base, cap) = retry
+            .map(|r| (r.initial, r.max))
+            .unwrap_or((self.cfg.retry_base, self.cfg.retry_cap));
+        let wait = |attempt| backoff(base, cap, attempt);
         let attempt = if item.node == node && item.attempt > 0 {
             item.attempt + 1
         } else {
@@ -313,13 +318,16 @@ impl Executor {
                     fx.dead.push((
                         retry,
                         format!(
-                            "node `{node}`: gave up after the maximum age ({:?}): {reason}",
+                            "expired: node `{node}` kept failing for longer than the maximum age ({:?}): {reason}",
                             self.cfg.max_age
                         ),
                     ));
                 } else {
-                    let wait = retry_after.unwrap_or_else(|| backoff(&self.cfg, attempt));
-                    retry.not_before = Some(now + wait.as_millis() as i64);
+                    // A server's Retry-After is honoured, within this node's cap.
+                    let after = retry_after
+                        .map(|d| d.min(cap))
+                        .unwrap_or_else(|| wait(attempt));
+                    retry.not_before = Some(now + after.as_millis() as i64);
                     fx.delayed.push(retry);
                 }
             }
@@ -330,7 +338,7 @@ impl Executor {
                         format!("node `{node}` failed {attempt} times: {reason}"),
                     ));
                 } else {
-                    retry.not_before = Some(now + backoff(&self.cfg, attempt).as_millis() as i64);
+                    retry.not_before = Some(now + wait(attempt).as_millis() as i64);
                     fx.delayed.push(retry);
                 }
             }
@@ -345,7 +353,8 @@ impl Executor {
         again.origin_id = Some(item.root_id());
         again.deliveries = 0;
         again.cause = format!("retry:{}", item.node);
-        again.not_before = Some(now_ms() + backoff(&self.cfg, 1).as_millis() as i64);
+        again.not_before =
+            Some(now_ms() + backoff(self.cfg.retry_base, self.cfg.retry_cap, 1).as_millis() as i64);
         WaveEffects {
             delayed: vec![again],
             outcome: Some(format!(

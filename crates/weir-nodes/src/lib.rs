@@ -12,6 +12,7 @@ mod http;
 mod library;
 mod log;
 pub mod mqtt;
+pub mod rate_limit;
 pub mod script;
 mod set;
 mod switch;
@@ -25,7 +26,7 @@ use weir_flow::{Pos, Spanned, Yaml};
 use weir_queue::{now_ms, Message, Reply, WorkItem};
 use weir_state::{Overlay, StateKey, StateRead};
 
-pub use library::{Library, LoadedFlow, LoadedNode};
+pub use library::{Library, LoadedFlow, LoadedNode, Retry};
 pub use triggers::Trigger;
 
 /// What a node emitted: messages per output port (an empty port sends nothing on).
@@ -114,6 +115,16 @@ pub struct NodeCx<'a> {
     overlay: &'a mut Overlay,
     scheduled: &'a mut Vec<WorkItem>,
     replies: &'a mut Vec<Reply>,
+    dead: &'a mut Vec<(WorkItem, String)>,
+}
+
+/// What a wave collects from its nodes besides state: items to schedule, replies to post,
+/// messages set aside as dead letters. Committed with the wave.
+#[derive(Default)]
+pub struct WaveOut {
+    pub scheduled: Vec<WorkItem>,
+    pub replies: Vec<Reply>,
+    pub dead: Vec<(WorkItem, String)>,
 }
 
 impl<'a> NodeCx<'a> {
@@ -123,8 +134,7 @@ impl<'a> NodeCx<'a> {
         item: &'a WorkItem,
         store: &'a dyn StateRead,
         overlay: &'a mut Overlay,
-        scheduled: &'a mut Vec<WorkItem>,
-        replies: &'a mut Vec<Reply>,
+        out: &'a mut WaveOut,
     ) -> Self {
         NodeCx {
             flow,
@@ -132,9 +142,38 @@ impl<'a> NodeCx<'a> {
             item,
             store,
             overlay,
-            scheduled,
-            replies,
+            scheduled: &mut out.scheduled,
+            replies: &mut out.replies,
+            dead: &mut out.dead,
         }
+    }
+
+    /// Whether this call is a `flush` item's (a node releasing what it held back), rather
+    /// than a message arriving.
+    pub fn is_flush(&self) -> bool {
+        self.item.kind == weir_queue::ItemKind::Flush && self.item.node == self.node
+    }
+
+    /// Journal a `flush` item at this node for `after` from now, guarded like
+    /// [`schedule`](Self::schedule): it calls this node again with `msg`.
+    pub fn schedule_flush(&mut self, after: Duration, msg: Message, guard: (String, Value)) {
+        let mut item =
+            self.item
+                .follow_up(self.node, format!("flush:{}", self.node), vec![vec![msg]]);
+        item.kind = weir_queue::ItemKind::Flush;
+        item.not_before = Some(now_ms() + after.as_millis() as i64);
+        item.guard_key = Some(guard.0);
+        item.guard_value = Some(guard.1);
+        self.scheduled.push(item);
+    }
+
+    /// Set `msg` aside as a dead letter with `reason`, committed with the wave: visible, and
+    /// replayable (a replay delivers it downstream of this node).
+    pub fn dead_letter(&mut self, msg: Message, reason: impl Into<String>) {
+        let item =
+            self.item
+                .follow_up(self.node, format!("dropped:{}", self.node), vec![vec![msg]]);
+        self.dead.push((item, reason.into()));
     }
 
     fn key(&self, key: &str) -> StateKey {

@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use weir_flow::{parse_flow, Diagnostic, Diagnostics, FlowGraph, Pos, Report, Spanned};
+use weir_flow::{
+    parse_flow, Diagnostic, Diagnostics, FlowGraph, Pos, Report, Spanned, Yaml, YamlKind,
+};
 
 use crate::triggers::Trigger;
 use crate::{Node, NodeFactory};
@@ -14,6 +16,57 @@ pub struct LoadedNode {
     pub id: String,
     pub kind: String,
     pub node: Arc<dyn Node>,
+    /// `retry: { initial, max }` on the node: its own backoff for transient failures.
+    pub retry: Option<Retry>,
+}
+
+/// How a node's transient failures are retried: `initial`, doubling (with jitter) up to
+/// `max`. Any node may set it; the engine's default applies otherwise.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Retry {
+    pub initial: std::time::Duration,
+    pub max: std::time::Duration,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RetryConfig {
+    initial: crate::duration::Dur,
+    max: crate::duration::Dur,
+}
+
+/// Take the `retry:` field, which every node type has, out of a node's fields.
+fn split_retry(body: &Yaml) -> (Yaml, Option<&Yaml>) {
+    match &body.kind {
+        YamlKind::Map(entries) if body.get("retry").is_some() => {
+            let rest = entries
+                .iter()
+                .filter(|(k, _)| k.as_str() != Some("retry"))
+                .cloned()
+                .collect();
+            (
+                Yaml {
+                    pos: body.pos,
+                    kind: YamlKind::Map(rest),
+                },
+                body.get("retry").map(|(_, v)| v),
+            )
+        }
+        _ => (body.clone(), None),
+    }
+}
+
+fn retry_of(y: &Yaml) -> Result<Retry, Vec<crate::ConfigError>> {
+    let c: RetryConfig = crate::config(y)?;
+    let initial = c.initial.get().map_err(|e| vec![e])?;
+    let max = c.max.get().map_err(|e| vec![e])?;
+    if initial.is_zero() || max < initial {
+        return Err(vec![crate::ConfigError::at(
+            y.pos,
+            "`retry` needs 0 < initial <= max",
+        )]);
+    }
+    Ok(Retry { initial, max })
 }
 
 /// A validated flow, ready to run.
@@ -81,6 +134,7 @@ impl Library {
         l.register(crate::switch::Factory);
         l.register(crate::set::Factory);
         l.register(crate::delay::Factory);
+        l.register(crate::rate_limit::Factory);
         l.register(crate::log::Factory);
         l.register(crate::http::RequestFactory);
         l.register(crate::http::ResponseFactory);
@@ -145,12 +199,24 @@ impl Library {
                 ok = false;
                 continue;
             };
-            match factory.build(&n.body) {
+            let (body, retry) = split_retry(&n.body);
+            let retry = match retry.map(retry_of).transpose() {
+                Ok(r) => r,
+                Err(errors) => {
+                    ok = false;
+                    for e in errors {
+                        report.at(e.pos, format!("node `{}`: {}", n.id.value, e.message));
+                    }
+                    None
+                }
+            };
+            match factory.build(&body) {
                 Ok(built) => {
                     nodes.push(LoadedNode {
                         id: n.id.value.clone(),
                         kind: n.kind.value.clone(),
                         node: built.node,
+                        retry,
                     });
                     // A wire written as one string carries its owner's position.
                     let fixed = built

@@ -151,6 +151,23 @@ pub struct Stats {
     pub durable: bool,
 }
 
+impl WorkItem {
+    /// What an operator sees of a stored item whose body cannot be decoded: its id and flow,
+    /// and the raw text as its only output.
+    pub fn undecodable(id: Ulid, flow: &str, raw: &str) -> WorkItem {
+        WorkItem {
+            id,
+            cause: "undecodable".into(),
+            ..WorkItem::cascade(
+                flow,
+                "?",
+                "undecodable",
+                vec![serde_json::Value::String(raw.into())],
+            )
+        }
+    }
+}
+
 /// Where an item stands.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]

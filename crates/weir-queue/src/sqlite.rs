@@ -83,7 +83,7 @@ const MAX_BATCH: usize = 1024;
 /// Batches between two prunes of finished items and old idempotency keys.
 const PRUNE_EVERY: u64 = 512;
 
-const ITEM_COLS: &str = "body, deliveries, due, st, consumer, since, reason, at";
+const ITEM_COLS: &str = "body, deliveries, due, st, consumer, since, reason, at, id, flow";
 
 impl From<rusqlite::Error> for QueueError {
     fn from(e: rusqlite::Error) -> Self {
@@ -521,7 +521,15 @@ fn view(r: &Row<'_>) -> rusqlite::Result<Result<ItemView, QueueError>> {
     let since: Option<i64> = r.get(5)?;
     let reason: Option<String> = r.get(6)?;
     let at: Option<i64> = r.get(7)?;
-    Ok(unjson::<WorkItem>(&body).and_then(|mut item| {
+    let id: String = r.get(8)?;
+    let flow: String = r.get(9)?;
+    // A body that cannot be decoded is still shown (it is a dead letter by now).
+    let decoded = unjson::<WorkItem>(&body).or_else(|_| {
+        Ulid::from_string(&id)
+            .map(|id| WorkItem::undecodable(id, &flow, &body))
+            .map_err(|e| QueueError::Corrupt(e.to_string()))
+    });
+    Ok(decoded.and_then(|mut item| {
         item.deliveries = deliveries;
         item.not_before = due;
         let state = match st.as_str() {
@@ -697,7 +705,20 @@ fn claim_ready(
     )?;
     for (seq, body, deliveries, stepped) in rows {
         w.lease += 1;
-        let mut item: WorkItem = unjson(&body)?;
+        let mut item: WorkItem = match unjson(&body) {
+            Ok(item) => item,
+            Err(e) => {
+                // A poison row: set it aside with the reason, and hand out the ones behind it.
+                tracing::error!(seq, error = %e, "an item that cannot be decoded is dead-lettered");
+                c.prepare_cached(
+                    "UPDATE items SET st = 'dead', reason = ?2, at = ?3, deliveries = deliveries + 1
+                     WHERE seq = ?1",
+                )?
+                .execute(params![seq, format!("undecodable item: {e}"), now])?;
+                w.ready -= 1;
+                continue;
+            }
+        };
         item.deliveries = deliveries + 1;
         item.not_before = None;
         take.execute(params![seq, item.deliveries, w.lease as i64, consumer, now])?;

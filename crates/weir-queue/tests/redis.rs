@@ -131,3 +131,44 @@ async fn a_flows_keys_live_in_its_shard() {
         "stats fan out over shards"
     );
 }
+
+#[tokio::test]
+async fn a_poison_entry_is_dead_lettered_alone_and_the_rest_flow() {
+    let server = RedisServer::start();
+    let q = RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    q.add(vec![item(1)]).await.unwrap();
+    // Corrupt the body of a second item behind the first one's back.
+    let bad = item(2);
+    let bad_id = bad.id;
+    q.add(vec![bad, item(3)]).await.unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let key = weir_queue::redis::keys::item(
+        &weir_queue::redis::keys::prefix("weir", 0),
+        &bad_id.to_string(),
+    );
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("body")
+        .arg("{not json")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    let ns: Vec<i64> = got
+        .iter()
+        .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ns, vec![1, 3], "the items around the poison are handed out");
+    let dead = q.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].item.id, bad_id);
+    match &dead[0].state {
+        ItemState::Dead { reason, .. } => {
+            assert!(reason.starts_with("undecodable item"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -119,3 +119,38 @@ async fn a_failed_batch_fails_every_member_and_keeps_none() {
     assert!(failed >= 1, "the failpoint failed one batch");
     assert_eq!(q.stats().await.unwrap().ready, 100 - failed);
 }
+
+#[tokio::test]
+async fn a_poison_row_is_dead_lettered_alone_and_the_rest_flow() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("queue.db");
+    let q = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+    q.add(vec![item(1)]).await.unwrap();
+    drop(q);
+    // Something wrote a row no weir can read (a bad restore, a bug in an older build).
+    let c = rusqlite::Connection::open(&path).unwrap();
+    let poison = ulid::Ulid::new();
+    c.execute(
+        "INSERT INTO items (id, flow, st, ord, enqueued_at, body) VALUES (?1, 'f', 'waiting', 0, 0, '{not json')",
+        [poison.to_string()],
+    )
+    .unwrap();
+    drop(c);
+    let q = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+    q.add(vec![item(2)]).await.unwrap();
+    let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    let ns: Vec<i64> = got
+        .iter()
+        .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ns, vec![1, 2], "the items around the poison are handed out");
+    let dead = q.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].item.id, poison);
+    match &dead[0].state {
+        weir_queue::ItemState::Dead { reason, .. } => {
+            assert!(reason.starts_with("undecodable item"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -173,6 +173,12 @@ end
 return {n, res[1]}
 "#;
 
+const BURY: &str = r#"
+if redis.call('HGET', ik(ARGV[3]), 'st') ~= 'in_flight' then return 0 end
+bury(ARGV[3], ARGV[4])
+return 1
+"#;
+
 const RECOVER: &str = r#"
 local n = 0
 local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
@@ -300,6 +306,7 @@ struct Scripts {
     commit: Script,
     reclaim: Script,
     recover: Script,
+    bury: Script,
     move_due: Script,
     unpark: Script,
     unpark_one: Script,
@@ -324,6 +331,7 @@ impl Scripts {
             commit: s(COMMIT),
             reclaim: s(RECLAIM),
             recover: s(RECOVER),
+            bury: s(BURY),
             move_due: s(MOVE_DUE),
             unpark: s(UNPARK),
             unpark_one: s(UNPARK_ONE),
@@ -518,7 +526,7 @@ impl RedisQueue {
         if h.is_empty() {
             return Ok(None);
         }
-        view(&h).map(Some)
+        view(id, &h).map(Some)
     }
 
     /// Find an item's record in whichever shard holds it.
@@ -588,9 +596,17 @@ fn num(h: &HashMap<String, String>, k: &str) -> i64 {
 }
 
 /// An item record as the operator sees it.
-fn view(h: &HashMap<String, String>) -> Result<ItemView, QueueError> {
-    let body = field(h, "body").ok_or_else(|| corrupt("an item record without a body"))?;
-    let mut item: WorkItem = serde_json::from_str(body).map_err(corrupt)?;
+fn view(id: &str, h: &HashMap<String, String>) -> Result<ItemView, QueueError> {
+    let body = field(h, "body").unwrap_or_default();
+    // A body that cannot be decoded is still shown (it is a dead letter by now).
+    let mut item: WorkItem = match serde_json::from_str(body) {
+        Ok(item) => item,
+        Err(_) => WorkItem::undecodable(
+            Ulid::from_string(id).map_err(corrupt)?,
+            field(h, "flow").unwrap_or_default(),
+            body,
+        ),
+    };
     item.deliveries = num(h, "deliveries") as u32;
     item.not_before = field(h, "due").and_then(|d| d.parse().ok());
     let text = |k| field(h, k).unwrap_or_default().to_string();
@@ -769,8 +785,17 @@ impl WorkQueue for RedisQueue {
                 let rows: Vec<(String, u32, u64, String, String)> = self
                     .run(&self.scripts.claim, &p, &[&consumer, &(max - out.len())])
                     .await?;
-                for (_, deliveries, lease, stepped, body) in rows {
-                    let mut item: WorkItem = serde_json::from_str(&body).map_err(corrupt)?;
+                for (id, deliveries, lease, stepped, body) in rows {
+                    let mut item: WorkItem = match serde_json::from_str(&body) {
+                        Ok(item) => item,
+                        Err(e) => {
+                            // A poison entry: set it aside with the reason, go on with the rest.
+                            tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
+                            let reason = format!("undecodable item: {e}");
+                            let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;
+                            continue;
+                        }
+                    };
                     item.deliveries = deliveries;
                     item.not_before = None;
                     out.push(Claimed {
