@@ -55,6 +55,11 @@ fn each_kind_of_mistake_has_its_position() {
         ("nodes:\n  m:\n    type: mqtt-in\n    topic: a/b\n    qos: 3\n", "f.yaml:5:10: node `m`: `qos` is 0, 1 or 2"),
         ("nodes:\n  o:\n    type: mqtt-out\n    topic: a/+/b\n", "f.yaml:4:12: node `o`: `a/+/b` is not a topic one can publish to"),
         ("nodes:\n  o:\n    type: mqtt-out\n    topic: 'a/{{ msg. }}'\n", "f.yaml:4:"),
+        ("nodes:\n  r:\n    type: rate-limit\n    rate: 5/fortnight\n", "f.yaml:4:11: node `r`: `5/fortnight`: unknown period `fortnight`"),
+        ("nodes:\n  r:\n    type: rate-limit\n    rate: 5/s\n    overflow: spill\n", "f.yaml:5:15: node `r`: unknown variant `spill`"),
+        ("nodes:\n  r:\n    type: rate-limit\n    rate: 5/s\n    per: msg.payload.\n", "f.yaml:5:"),
+        ("nodes:\n  r:\n    type: log\n    retry: { initial: 5s, max: 1s }\n", "f.yaml:4:12: node `r`: `retry` needs 0 < initial <= max"),
+        ("nodes:\n  r:\n    type: log\n    retry: { initial: 5s, maxx: 1m }\n", "f.yaml:4:27: node `r`: unknown field `maxx`"),
     ];
     for (src, want) in cases {
         let got = errors("f.yaml", src);

@@ -123,3 +123,13 @@ mod tests {
         assert_eq!(l.keys(), 0, "every key is back to a full burst");
     }
 }
+
+#[cfg(test)]
+mod slow_rates {
+    #[test]
+    fn one_a_minute_lets_the_first_through() {
+        let l = super::Limiter::new(1, std::time::Duration::from_secs(60), None).unwrap();
+        assert!(l.check("home/kitchen/temperature").is_ok());
+        assert!(l.check("home/kitchen/temperature").is_err());
+    }
+}

@@ -895,7 +895,13 @@ impl WorkQueue for RedisQueue {
         let idle = (min_idle.as_millis() as u64).to_string();
         for p in self.prefixes() {
             let mut cursor = "0-0".to_string();
-            for _ in 0..RECLAIM_ROUNDS {
+            for round in 0..RECLAIM_ROUNDS {
+                if round + 1 == RECLAIM_ROUNDS {
+                    tracing::warn!(
+                        looked_at = RECLAIM_ROUNDS * RECLAIM_BATCH,
+                        "reclaim pass stopped at its bound; the rest of the pending entries wait for the next pass"
+                    );
+                }
                 let (got, next): (usize, String) = self
                     .run(
                         &self.scripts.reclaim,
