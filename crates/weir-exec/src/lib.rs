@@ -325,6 +325,6 @@ mod tests {
                 "{attempt}: {got:?}"
             );
         }
-        assert_eq!(backoff(base, cap, 1000), backoff(base, cap, 1000).min(cap));
+        assert!(backoff(base, cap, 1000) <= cap, "never past the cap");
     }
 }
