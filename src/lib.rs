@@ -184,6 +184,27 @@ pub async fn get_json(engine: &RunningEngine, path: &str) -> Value {
         .expect("JSON")
 }
 
+/// Wait until the engine lists at least `n` dead letters (newest first), or panic.
+pub async fn wait_for_dead_letters(
+    engine: &RunningEngine,
+    n: usize,
+    within: Duration,
+) -> Vec<Value> {
+    let deadline = Instant::now() + within;
+    loop {
+        let d = get_json(engine, "/api/dead-letters").await;
+        let list = d.as_array().cloned().unwrap_or_default();
+        if list.len() >= n {
+            return list;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {n} dead letters; have {d}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 pub async fn post_admin(engine: &RunningEngine, path: &str) -> Value {
     reqwest::Client::new()
         .post(format!("http://{}{path}", engine.addr))

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use weir::queue::StateKey;
 use weir::Failpoints;
-use weir_testkit::{get_json, post_json, start_on, wait_for, Sink, WeirProcess};
+use weir_testkit::{
+    get_json, post_json, start_on, wait_for, wait_for_dead_letters, Sink, WeirProcess,
+};
 
 fn flow(sink: &Sink, limit: &str) -> String {
     format!(
@@ -186,14 +188,7 @@ async fn each_key_has_its_own_quota_and_a_full_queue_drops_its_oldest_visibly() 
         || sink.count() == 6,
     )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let dead = loop {
-        let d = get_json(&e, "/api/dead-letters").await;
-        if d.as_array().map(Vec::len) == Some(3) || Instant::now() > deadline {
-            break d;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let dead = wait_for_dead_letters(&e, 3, Duration::from_secs(10)).await;
     let mut passed: Vec<(String, u64)> = sink
         .bodies()
         .iter()
@@ -211,9 +206,8 @@ async fn each_key_has_its_own_quota_and_a_full_queue_drops_its_oldest_visibly() 
         .flat_map(|(i, k)| [(k.to_string(), i as u64), (k.to_string(), i as u64 + 3)])
         .collect();
     assert_eq!(passed, want, "the first two of every key");
-    let dead = dead.as_array().unwrap();
     assert_eq!(dead.len(), 3, "one dropped per key: {dead:?}");
-    for d in dead {
+    for d in &dead {
         let reason = d["reason"].as_str().unwrap();
         assert!(reason.contains("the oldest was dropped"), "{reason}");
         let payload: &Value = &d["item"]["outputs"][0][0]["payload"];
@@ -257,14 +251,7 @@ nodes:
     );
     sink.fail_next(&[404]);
     post_json(&e, "in", json!({ "n": 2 })).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let dead = loop {
-        let d = get_json(&e, "/api/dead-letters").await;
-        if !d.as_array().unwrap().is_empty() || Instant::now() > deadline {
-            break d;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let dead = wait_for_dead_letters(&e, 1, Duration::from_secs(10)).await;
     let reason = dead[0]["reason"].as_str().unwrap();
     assert!(
         reason.contains("404"),
@@ -300,14 +287,7 @@ async fn transient_failures_past_the_maximum_age_expire_visibly() {
         .await
         .unwrap();
     post_json(&e, "in", json!({ "n": 1 })).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let dead = loop {
-        let d = get_json(&e, "/api/dead-letters").await;
-        if !d.as_array().unwrap().is_empty() || Instant::now() > deadline {
-            break d;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let dead = wait_for_dead_letters(&e, 1, Duration::from_secs(10)).await;
     let reason = dead[0]["reason"].as_str().unwrap_or_default();
     assert!(
         reason.starts_with("expired:") && reason.contains("503"),

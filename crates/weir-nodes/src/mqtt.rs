@@ -452,6 +452,14 @@ fn broker_name(
     Some(b.value.clone())
 }
 
+/// A node's `qos`, or an error at it.
+fn qos_at(q: &Spanned<u8>, errors: &mut Vec<ConfigError>) -> QoS {
+    qos(q.value).unwrap_or_else(|| {
+        errors.push(ConfigError::at(q.pos, "`qos` is 0, 1 or 2"));
+        QoS::AtLeastOnce
+    })
+}
+
 fn one() -> Spanned<u8> {
     Spanned {
         pos: Default::default(),
@@ -490,10 +498,7 @@ impl NodeFactory for OutFactory {
             }
             None => None,
         };
-        let q = qos(c.qos.value);
-        if q.is_none() {
-            errors.push(ConfigError::at(c.qos.pos, "`qos` is 0, 1 or 2"));
-        }
+        let q = qos_at(&c.qos, &mut errors);
         let broker = broker_name(&self.0, &c.broker, &mut errors);
         if !errors.is_empty() {
             return Err(errors);
@@ -504,7 +509,7 @@ impl NodeFactory for OutFactory {
                 broker,
                 engine,
                 topic,
-                qos: q.unwrap_or(QoS::AtLeastOnce),
+                qos: q,
                 retain: c.retain,
                 payload: c.payload,
             }),
@@ -612,10 +617,7 @@ impl NodeFactory for InFactory {
                 ),
             ));
         }
-        let q = qos(c.qos.value);
-        if q.is_none() {
-            errors.push(ConfigError::at(c.qos.pos, "`qos` is 0, 1 or 2"));
-        }
+        let q = qos_at(&c.qos, &mut errors);
         let broker = broker_name(&self.0, &c.broker, &mut errors);
         if !errors.is_empty() {
             return Err(errors);
@@ -623,7 +625,7 @@ impl NodeFactory for InFactory {
         Ok(Built {
             node: Arc::new(crate::triggers::Source(Trigger::Mqtt(MqttInSpec {
                 filter: c.topic.value,
-                qos: q.unwrap_or(QoS::AtLeastOnce),
+                qos: q,
                 broker,
             }))),
             ports: vec![c.to.0],
