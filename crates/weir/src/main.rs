@@ -53,6 +53,17 @@ enum Cmd {
         /// one takes it over.
         #[arg(long, default_value_t = 120)]
         reclaim_after: u64,
+        /// First wait before a transient failure is retried at its node (nodes may set their
+        /// own `retry:`); it doubles, with jitter, up to --retry-max.
+        #[arg(long, default_value = "1s", value_parser = duration)]
+        retry_initial: std::time::Duration,
+        /// The longest wait between two retries.
+        #[arg(long, default_value = "5m", value_parser = duration)]
+        retry_max: std::time::Duration,
+        /// Work still failing transiently this long after its event arrived is dead-lettered
+        /// as expired.
+        #[arg(long, default_value = "24h", value_parser = duration)]
+        max_age: std::time::Duration,
     },
     /// Check flows; exit 1 with `file:line:column: message` for every problem.
     Validate {
@@ -166,10 +177,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             grace,
             consumer,
             reclaim_after,
+            retry_initial,
+            retry_max,
+            max_age,
         } => {
+            if retry_initial.is_zero() || retry_max < retry_initial {
+                anyhow::bail!("--retry-initial must be above 0 and at most --retry-max");
+            }
             let mut cfg = weir::weir_exec::ExecConfig {
                 shutdown_grace: std::time::Duration::from_secs(grace),
                 reclaim_after: std::time::Duration::from_secs(reclaim_after.max(1)),
+                retry_base: retry_initial,
+                retry_cap: retry_max,
+                max_age,
                 ..Default::default()
             };
             if let Some(c) = consumer {
@@ -275,6 +295,11 @@ async fn call(base: &str, method: &str, path: &str) -> anyhow::Result<ExitCode> 
     } else {
         ExitCode::from(1)
     })
+}
+
+/// A duration as flows write them: `500ms`, `5s`, `2m`, `1h`, `1d`.
+fn duration(s: &str) -> Result<std::time::Duration, String> {
+    weir::weir_nodes::duration::parse(s)
 }
 
 async fn shutdown_signal() {
