@@ -176,7 +176,7 @@ pub async fn post_json(engine: &RunningEngine, path: &str, body: Value) -> reqwe
 
 /// GET an admin path as JSON.
 pub async fn get_json(engine: &RunningEngine, path: &str) -> Value {
-    reqwest::get(format!("http://{}{path}", engine.addr))
+    reqwest::get(format!("http://{}{path}", engine.admin_addr))
         .await
         .expect("engine answers")
         .json()
@@ -207,7 +207,7 @@ pub async fn wait_for_dead_letters(
 
 pub async fn post_admin(engine: &RunningEngine, path: &str) -> Value {
     reqwest::Client::new()
-        .post(format!("http://{}{path}", engine.addr))
+        .post(format!("http://{}{path}", engine.admin_addr))
         .send()
         .await
         .expect("engine answers")

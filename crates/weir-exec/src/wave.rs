@@ -27,6 +27,7 @@ const CONFLICT_RERUNS: usize = 5;
 impl Executor {
     pub(crate) async fn process(&self, flow: Option<Arc<FlowRt>>, c: Claimed) {
         let span = tracing::info_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
+        let started = std::time::Instant::now();
         async {
             for _ in 0..CONFLICT_RERUNS {
                 let outcome = match &flow {
@@ -46,8 +47,17 @@ impl Executor {
                     }
                     Outcome::Commit(fx, replies) => (fx, replies),
                 };
+                let end = match &fx.end {
+                    Some(End::DeadLetter(_)) => "dead_letter",
+                    Some(End::Park) => "park",
+                    Some(End::Superseded) => "superseded",
+                    _ => "ack",
+                };
                 match self.commit_with_retries(&c, fx).await {
                     Some(Committed::Done) => {
+                        let flow = c.item.flow.clone();
+                        metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end).increment(1);
+                        metrics::histogram!("weir_wave_seconds", "flow" => flow).record(started.elapsed().as_secs_f64());
                         for r in replies {
                             if let Err(e) = self.queue.post_reply(c.item.root_id(), r).await {
                                 tracing::warn!(error = %e, "could not post the webhook reply");
@@ -217,6 +227,8 @@ impl Executor {
                     Ok(Emit(outputs))
                 }
                 None => {
+                    metrics::counter!("weir_node_calls_total", "kind" => node.kind.clone())
+                        .increment(1);
                     let input = msg.clone();
                     let mut cx = NodeCx::new(
                         &flow.id,
@@ -266,6 +278,8 @@ impl Executor {
                     }
                 }
                 Err(e) => {
+                    metrics::counter!("weir_node_failures_total", "kind" => node.kind.clone())
+                        .increment(1);
                     tracing::warn!(node = %node.id, error = %e, "node failed");
                     failures.push(format!("node `{}`: {e}", node.id));
                     self.failure(item, &node.id, node.retry, msg, e, &mut fx);
@@ -296,6 +310,8 @@ impl Executor {
             .map(|r| (r.initial, r.max))
             .unwrap_or((self.cfg.retry_base, self.cfg.retry_cap));
         let wait = |attempt| backoff(base, cap, attempt);
+        let labels = [("flow", item.flow.clone()), ("node", node.to_string())];
+        let dead_before = fx.dead.len();
         let attempt = if item.node == node && item.attempt > 0 {
             item.attempt + 1
         } else {
@@ -342,6 +358,11 @@ impl Executor {
                     fx.delayed.push(retry);
                 }
             }
+        }
+        if fx.dead.len() > dead_before {
+            metrics::counter!("weir_dead_letters_total", &labels).increment(1);
+        } else {
+            metrics::counter!("weir_retries_total", &labels).increment(1);
         }
     }
 

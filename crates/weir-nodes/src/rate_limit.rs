@@ -176,6 +176,7 @@ impl RateLimit {
         if self.overflow == Overflow::Drop {
             let n = int(cx.get(DROPPED).await?) + 1;
             cx.set(DROPPED, Some(n.into())).await?;
+            metrics::counter!("weir_rate_limit_dropped_total", "flow" => cx.flow.to_string(), "node" => cx.node.to_string()).increment(1);
             tracing::debug!(
                 flow = cx.flow,
                 node = cx.node,
@@ -201,6 +202,7 @@ impl RateLimit {
             cx.set(&hk, Some(head.into())).await?;
         }
         cx.set(&held_key(&key, tail), Some(msg)).await?;
+        metrics::counter!("weir_rate_limit_held_total", "flow" => cx.flow.to_string(), "node" => cx.node.to_string()).increment(1);
         cx.set(&tk, Some((tail + 1).into())).await?;
         match wait {
             // The first held message of its key: the flush comes when the quota allows.

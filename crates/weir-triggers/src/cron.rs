@@ -69,7 +69,12 @@ async fn journal(
             )
             .await
         {
-            Ok(_) => return,
+            Ok(journaled) => {
+                if journaled {
+                    metrics::counter!("weir_events_total", "trigger" => "cron").increment(1);
+                }
+                return;
+            }
             Err(e) => {
                 tracing::warn!(flow, node, error = %e, "cron tick not journaled yet; retrying");
                 tokio::select! {

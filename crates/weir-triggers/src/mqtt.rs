@@ -189,7 +189,11 @@ async fn journal(
                 return;
             }
             match queue.add(items.clone()).await {
-                Ok(()) => break,
+                Ok(()) => {
+                    metrics::counter!("weir_events_total", "trigger" => "mqtt")
+                        .increment(batch.len() as u64);
+                    break;
+                }
                 Err(e) => {
                     failures += 1;
                     if failures == 1 || failures.is_multiple_of(50) {

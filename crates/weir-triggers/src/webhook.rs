@@ -132,7 +132,10 @@ async fn handle(
         None => s.queue.add(vec![item]).await.map(|_| id),
     };
     let id = match added {
-        Ok(id) => id,
+        Ok(id) => {
+            metrics::counter!("weir_events_total", "trigger" => "webhook").increment(1);
+            id
+        }
         Err(QueueError::Full(n)) => {
             let mut r = error(
                 StatusCode::TOO_MANY_REQUESTS,

@@ -19,9 +19,14 @@ struct Admin {
     flows: Arc<Flows>,
 }
 
-pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>) -> Router {
+/// The admin API. With `token`, every `/api` call and `/metrics` needs
+/// `Authorization: Bearer <token>` (401 otherwise); `/healthz` and `/readyz` stay open.
+pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>, token: Option<String>) -> Router {
+    let token = token.map(Arc::new);
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(prometheus))
         .route("/api/stats", get(stats))
         .route("/api/items/{id}", get(item))
         .route("/api/queue", get(list))
@@ -31,7 +36,75 @@ pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>) -> Router {
         .route("/api/dead-letters/{id}/replay", post(replay))
         .route("/api/flows", get(flows_ls))
         .route("/api/flows/{id}/{action}", post(flow_action))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            let token = token.clone();
+            async move { authorize(token.as_deref().map(String::as_str), req, next).await }
+        }))
         .with_state(Admin { queue, flows })
+}
+
+/// Let a request through when no token is set, when it asks for an open path, or when it
+/// carries the token (compared in constant time).
+async fn authorize(
+    token: Option<&str>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = req.uri().path();
+    let guarded = path.starts_with("/api/") || path == "/api" || path == "/metrics";
+    if let (Some(want), true) = (token, guarded) {
+        use subtle::ConstantTimeEq;
+        let given = req
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !bool::from(given.as_bytes().ct_eq(want.as_bytes())) {
+            return (
+                StatusCode::UNAUTHORIZED,
+                [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+                Json(json!({ "error": "missing or wrong admin token (Authorization: Bearer …)" })),
+            )
+                .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// The Prometheus text, with the queue's depth by state read now.
+async fn prometheus(State(a): State<Admin>) -> Response {
+    let handle = match crate::metrics::handle() {
+        Ok(h) => h,
+        Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    };
+    if let Ok(s) = a.queue.stats().await {
+        for (state, n) in [
+            ("ready", s.ready),
+            ("in_flight", s.in_flight),
+            ("delayed", s.delayed),
+            ("parked", s.parked),
+            ("dead", s.dead),
+        ] {
+            metrics::gauge!("weir_queue_items", "state" => state).set(n as f64);
+        }
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        handle.render(),
+    )
+        .into_response()
+}
+
+/// Ready when the queue backend answers.
+async fn ready(State(a): State<Admin>) -> Response {
+    match a.queue.stats().await {
+        Ok(_) => (StatusCode::OK, "ready").into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}")).into_response(),
+    }
 }
 
 fn err(e: QueueError) -> Response {

@@ -17,6 +17,7 @@
 //! Add node types through [`Node`] and [`NodeFactory`] with [`EngineBuilder::node`].
 
 mod admin;
+mod metrics;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -70,11 +71,27 @@ pub struct EngineBuilder {
     mqtt: Option<String>,
     brokers: Vec<(String, String)>,
     http: SocketAddr,
+    admin: Option<SocketAddr>,
+    admin_token: Option<String>,
     exec: ExecConfig,
     failpoints: Failpoints,
 }
 
 impl EngineBuilder {
+    /// Serve the admin API (`/api`, `/metrics`, `/healthz`, `/readyz`) on its own address
+    /// instead of beside the webhooks.
+    pub fn admin(mut self, addr: SocketAddr) -> Self {
+        self.admin = Some(addr);
+        self
+    }
+
+    /// Require `Authorization: Bearer <token>` on `/api` and `/metrics`. Without a token the
+    /// admin API must listen on a loopback address, or the engine refuses to start.
+    pub fn admin_token(mut self, token: Option<String>) -> Self {
+        self.admin_token = token.filter(|t| !t.is_empty());
+        self
+    }
+
     /// Load every flow file of a folder (or one file).
     pub fn flows_dir(mut self, path: impl Into<PathBuf>) -> Self {
         self.paths.push(path.into());
@@ -160,6 +177,8 @@ impl EngineBuilder {
             mqtt,
             flows: Arc::new(Flows::new(flows)),
             http: self.http,
+            admin: self.admin,
+            admin_token: self.admin_token,
             exec: self.exec,
             failpoints: self.failpoints,
         })
@@ -172,13 +191,18 @@ pub struct Engine {
     mqtt: Arc<weir_nodes::mqtt::MqttHub>,
     flows: Arc<Flows>,
     http: SocketAddr,
+    admin: Option<SocketAddr>,
+    admin_token: Option<String>,
     exec: ExecConfig,
     failpoints: Failpoints,
 }
 
 /// A started engine: its address, its queue, and how to stop it.
 pub struct RunningEngine {
+    /// Where webhooks listen.
     pub addr: SocketAddr,
+    /// Where the admin API listens (the same as `addr` unless it was given its own).
+    pub admin_addr: SocketAddr,
     pub queue: Arc<dyn WorkQueue>,
     stop: CancellationToken,
     intake: Intake,
@@ -197,48 +221,58 @@ impl Engine {
             mqtt: None,
             brokers: Vec::new(),
             http: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin: None,
+            admin_token: None,
             exec: ExecConfig::default(),
             failpoints: Failpoints::from_env(),
         }
     }
 
-    /// Open the queue, bind the HTTP address, start the executor and the triggers.
+    /// Open the queue, bind the HTTP address(es), start the triggers and the executor.
     pub async fn start(self) -> Result<RunningEngine, EngineError> {
+        let admin_at = self.admin.unwrap_or(self.http);
+        if !admin_at.ip().is_loopback() && self.admin_token.is_none() {
+            return Err(EngineError::Config(format!(
+                "the admin API would listen on {admin_at}, which is not a loopback address, \
+                 without a token: set WEIR_ADMIN_TOKEN, or put it on 127.0.0.1 with --admin"
+            )));
+        }
         let queue = match self.queue {
             QueueChoice::Given(q) => q,
             QueueChoice::Url(url) => weir_queue::open(&url, self.failpoints.clone()).await?,
         };
-        let listener = tokio::net::TcpListener::bind(self.http)
-            .await
-            .map_err(|source| EngineError::Bind {
-                addr: self.http,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| EngineError::Bind {
-            addr: self.http,
-            source,
-        })?;
+        let bind = |at: SocketAddr| async move {
+            let l = tokio::net::TcpListener::bind(at)
+                .await
+                .map_err(|source| EngineError::Bind { addr: at, source })?;
+            let addr = l
+                .local_addr()
+                .map_err(|source| EngineError::Bind { addr: at, source })?;
+            Ok::<_, EngineError>((l, addr))
+        };
+        let (listener, addr) = bind(self.http).await?;
+        let admin_listener = match self.admin {
+            Some(at) => Some(bind(at).await?),
+            None => None,
+        };
+        let admin_addr = admin_listener.as_ref().map(|(_, a)| *a).unwrap_or(addr);
         if !queue.durable() {
             tracing::warn!("the queue is in memory: accepted events are lost if the process stops");
+        }
+        match metrics::handle() {
+            Ok(_) => metrics::describe(),
+            Err(e) => tracing::warn!(error = e, "/metrics will not serve weir's metrics"),
         }
         let stop = CancellationToken::new();
         let intake = Intake::open();
         let tracker = TaskTracker::new();
-        let executor = Executor::new(
-            queue.clone(),
-            self.flows.clone(),
-            self.exec.clone(),
-            self.failpoints.clone(),
-        );
-        let ex_stop = stop.clone();
-        tracker.spawn(async move { executor.run(ex_stop).await });
-        weir_triggers::cron::spawn_all(queue.clone(), &self.flows, &tracker, stop.clone());
         let needs_mqtt = self.flows.all().iter().any(|f| {
             f.flow
                 .triggers()
                 .any(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Mqtt(_)))
         });
         if needs_mqtt {
+            // Every broker is resolved before anything starts: a bad one starts nothing.
             weir_triggers::mqtt::spawn_all(
                 queue.clone(),
                 &self.flows,
@@ -249,24 +283,43 @@ impl Engine {
             )
             .map_err(EngineError::Config)?;
         }
-        let app = weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone())
-            .merge(admin::router(queue.clone(), self.flows.clone()))
-            .layer(axum::extract::DefaultBodyLimit::disable());
+        let executor = Executor::new(
+            queue.clone(),
+            self.flows.clone(),
+            self.exec.clone(),
+            self.failpoints.clone(),
+        );
+        let ex_stop = stop.clone();
+        tracker.spawn(async move { executor.run(ex_stop).await });
+        weir_triggers::cron::spawn_all(queue.clone(), &self.flows, &tracker, stop.clone());
+        let hooks = weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone());
+        let admin = admin::router(queue.clone(), self.flows.clone(), self.admin_token.clone());
         let http_done = CancellationToken::new();
-        let http_stop = http_done.clone();
         let http = TaskTracker::new();
-        http.spawn(async move {
-            let r = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { http_stop.cancelled().await })
-                .await;
-            if let Err(e) = r {
-                tracing::error!(error = %e, "HTTP server stopped");
+        let serve = |listener: tokio::net::TcpListener, app: axum::Router, what: &'static str| {
+            let done = http_done.clone();
+            let app = app.layer(axum::extract::DefaultBodyLimit::disable());
+            http.spawn(async move {
+                let r = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move { done.cancelled().await })
+                    .await;
+                if let Err(e) = r {
+                    tracing::error!(error = %e, server = what, "HTTP server stopped");
+                }
+            });
+        };
+        match admin_listener {
+            Some((l, _)) => {
+                serve(listener, hooks, "webhooks");
+                serve(l, admin, "admin");
             }
-        });
+            None => serve(listener, hooks.merge(admin), "webhooks and admin"),
+        }
         let flows: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
-        tracing::info!(%addr, ?flows, durable = queue.durable(), "weir engine started");
+        tracing::info!(%addr, %admin_addr, ?flows, durable = queue.durable(), "weir engine started");
         Ok(RunningEngine {
             addr,
+            admin_addr,
             queue,
             stop,
             intake,

@@ -41,6 +41,11 @@ enum Cmd {
         /// Address for webhooks and the admin API.
         #[arg(long, env = "WEIR_HTTP", default_value = "127.0.0.1:8080")]
         http: SocketAddr,
+        /// Serve the admin API (/api, /metrics, /healthz, /readyz) on its own address. With
+        /// WEIR_ADMIN_TOKEN set, /api and /metrics need `Authorization: Bearer <token>`;
+        /// without it, the admin address must be a loopback one.
+        #[arg(long, env = "WEIR_ADMIN")]
+        admin: Option<SocketAddr>,
         /// Seconds to finish waves in flight on SIGINT/SIGTERM.
         #[arg(long, default_value_t = 30)]
         grace: u64,
@@ -174,6 +179,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             mqtt,
             mqtt_brokers,
             http,
+            admin,
             grace,
             consumer,
             reclaim_after,
@@ -202,7 +208,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 };
                 builder = builder.mqtt_broker(name, url);
             }
+            if let Some(a) = admin {
+                builder = builder.admin(a);
+            }
             let engine = builder
+                .admin_token(std::env::var("WEIR_ADMIN_TOKEN").ok())
                 .flows_dir(&flows)
                 .queue_url(queue)
                 .mqtt(mqtt)
@@ -278,11 +288,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 async fn call(base: &str, method: &str, path: &str) -> anyhow::Result<ExitCode> {
     let url = format!("{}{path}", base.trim_end_matches('/'));
     let client = reqwest::Client::new();
-    let req = match method {
+    let mut req = match method {
         "POST" => client.post(&url),
         "DELETE" => client.delete(&url),
         _ => client.get(&url),
     };
+    if let Ok(token) = std::env::var("WEIR_ADMIN_TOKEN") {
+        if !token.is_empty() {
+            req = req.bearer_auth(token);
+        }
+    }
     let resp = req
         .send()
         .await

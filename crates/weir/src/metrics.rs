@@ -1,0 +1,69 @@
+//! `/metrics`: weir's counters and histograms in the Prometheus text format.
+//!
+//! The recorder is process-wide (metrics has one global recorder): the first engine installs
+//! it, later ones in the same process share it. An embedder that installed a recorder of
+//! its own keeps it, and `/metrics` says so.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+
+/// Seconds, from a millisecond to a minute: how long waves take.
+const WAVE_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+pub fn handle() -> Result<&'static PrometheusHandle, &'static str> {
+    HANDLE
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full("weir_wave_seconds".into()), WAVE_BUCKETS)
+                .map_err(|e| e.to_string())?
+                .install_recorder()
+                .map_err(|e| format!("another metrics recorder is installed in this process: {e}"))
+        })
+        .as_ref()
+        .map_err(String::as_str)
+}
+
+/// Describe the metrics once, so that `/metrics` carries their help text.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "weir_events_total",
+        "Events journaled, by trigger (webhook, mqtt, cron)"
+    );
+    describe_counter!(
+        "weir_items_ended_total",
+        "Items ended by their wave's commit, by flow and end (ack, dead_letter, park, superseded)"
+    );
+    describe_counter!(
+        "weir_retries_total",
+        "Node failures scheduled for a retry at that node, by flow and node"
+    );
+    describe_counter!(
+        "weir_dead_letters_total",
+        "Messages dead-lettered inside waves, by flow and node"
+    );
+    describe_counter!("weir_node_calls_total", "Node calls, by node type");
+    describe_counter!(
+        "weir_node_failures_total",
+        "Node calls that failed, by node type"
+    );
+    describe_counter!(
+        "weir_rate_limit_held_total",
+        "Messages held back by a rate limit, by flow and node"
+    );
+    describe_counter!(
+        "weir_rate_limit_dropped_total",
+        "Messages dropped by a rate limit, by flow and node"
+    );
+    describe_histogram!(
+        "weir_wave_seconds",
+        Unit::Seconds,
+        "Time from a wave's start to its commit, by flow"
+    );
+    describe_gauge!("weir_queue_items", "Items in the queue now, by state");
+}

@@ -1,0 +1,186 @@
+//! The admin API's door: a token when one is set, its own address when asked, and no
+//! engine at all on an open address without a token.
+
+use std::net::SocketAddr;
+
+use serde_json::json;
+use weir::{Engine, EngineError};
+use weir_testkit::post_json;
+
+const FLOW: &str = "nodes:\n  h: { type: webhook, path: in, to: [l] }\n  l: { type: log }\n";
+
+fn builder() -> weir::EngineBuilder {
+    Engine::builder()
+        .queue_url("memory")
+        .http(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .flow_str("f.yaml", FLOW)
+}
+
+async fn status(url: String, token: Option<&str>) -> u16 {
+    let mut req = reqwest::Client::new().get(url);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    req.send().await.unwrap().status().as_u16()
+}
+
+#[tokio::test]
+async fn with_a_token_the_api_and_metrics_need_it_and_health_stays_open_and_metrics_count() {
+    let e = builder()
+        .admin_token(Some("s3cret".into()))
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let base = format!("http://{}", e.admin_addr);
+    assert_eq!(
+        status(format!("{base}/api/stats"), None).await,
+        401,
+        "no token"
+    );
+    assert_eq!(
+        status(format!("{base}/api/stats"), Some("wrong")).await,
+        401,
+        "a wrong token"
+    );
+    assert_eq!(
+        status(format!("{base}/api/stats"), Some("s3cret")).await,
+        200
+    );
+    assert_eq!(status(format!("{base}/api/flows"), None).await, 401);
+    assert_eq!(
+        status(format!("{base}/healthz"), None).await,
+        200,
+        "liveness stays open"
+    );
+    assert_eq!(
+        status(format!("{base}/readyz"), None).await,
+        200,
+        "readiness stays open"
+    );
+    // Webhooks have their own auth (per flow); the admin token is not theirs.
+    assert_eq!(post_json(&e, "in", json!(1)).await.status(), 202);
+    assert_eq!(
+        status(format!("{base}/metrics"), None).await,
+        401,
+        "metrics need the token too"
+    );
+    let metrics = || async {
+        reqwest::Client::new()
+            .get(format!("{base}/metrics"))
+            .bearer_auth("s3cret")
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let text = loop {
+        let t = metrics().await;
+        if t.contains(r#"weir_items_ended_total{flow="f",end="ack"}"#)
+            || std::time::Instant::now() > deadline
+        {
+            break t;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    for want in [
+        r#"weir_events_total{trigger="webhook"}"#,
+        r#"weir_items_ended_total{flow="f",end="ack"}"#,
+        r#"weir_node_calls_total{kind="log"}"#,
+        r#"weir_wave_seconds_bucket{flow="f",le="#,
+        r#"weir_queue_items{state="ready"}"#,
+        "# HELP weir_events_total",
+    ] {
+        assert!(text.contains(want), "/metrics has {want}:\n{text}");
+    }
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_admin_api_can_have_its_own_address() {
+    let e = builder()
+        .admin(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    assert_ne!(e.addr, e.admin_addr);
+    assert_eq!(
+        status(format!("http://{}/api/stats", e.admin_addr), None).await,
+        200
+    );
+    assert_eq!(
+        status(format!("http://{}/api/stats", e.addr), None).await,
+        404,
+        "not beside the webhooks"
+    );
+    assert_eq!(
+        post_json(&e, "in", json!(1)).await.status(),
+        202,
+        "webhooks stay where they were"
+    );
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_open_admin_address_without_a_token_is_refused() {
+    let r = builder()
+        .http(SocketAddr::from(([0, 0, 0, 0], 0)))
+        .build()
+        .unwrap()
+        .start()
+        .await;
+    match r {
+        Err(EngineError::Config(m)) => {
+            assert!(m.contains("not a loopback address, without a token"), "{m}")
+        }
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("an engine with an open, unguarded admin API must not start"),
+    }
+    // Open webhooks are fine when the admin API is kept on loopback.
+    let e = builder()
+        .http(SocketAddr::from(([0, 0, 0, 0], 0)))
+        .admin(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn readyz_says_when_the_queue_does_not_answer() {
+    let mut redis = weir_queue::testing::RedisServer::start();
+    let e = builder()
+        .queue_url(redis.url())
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let url = format!("http://{}/readyz", e.admin_addr);
+    assert_eq!(status(url.clone(), None).await, 200);
+    redis.stop();
+    assert_eq!(status(url.clone(), None).await, 503, "the backend is down");
+    assert_eq!(
+        status(format!("http://{}/healthz", e.admin_addr), None).await,
+        200,
+        "but the process lives"
+    );
+    redis.restart();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while status(url.clone(), None).await != 200 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ready again once Redis is back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    e.shutdown().await;
+}
