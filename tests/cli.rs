@@ -139,3 +139,47 @@ fn weir_graph_prints_dot_and_mermaid() {
         .unwrap();
     assert!(String::from_utf8_lossy(&mm.stdout).contains("tag_big -->|0| settle"));
 }
+
+#[tokio::test]
+async fn weir_backup_copies_the_queue_while_the_engine_runs() {
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let flows = tempfile::tempdir().unwrap();
+    // A flow that holds what it gets (a long delay): the backup must have it.
+    std::fs::write(
+        flows.path().join("hold.yaml"),
+        "nodes:\n  h: { type: webhook, path: hold, to: [w] }\n  w: { type: delay, for: 1h }\n",
+    )
+    .unwrap();
+    let e = weir_testkit::WeirProcess::start(flows.path(), &queue, &[]).await;
+    for n in 0..5 {
+        assert_eq!(e.post("hold", &serde_json::json!({ "n": n })).await.0, 202);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while e.stats().await["delayed"] != 5 {
+        assert!(Instant::now() < deadline, "five delayed items");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let copy = data.path().join("copy.db");
+    let out = Command::new(weir_testkit::weir_bin())
+        .args(["backup", &copy.display().to_string(), "--queue", &queue])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The copy is a queue of its own, with the five timers in it.
+    let q = weir_queue::SqliteQueue::open(&copy, weir_queue::Failpoints::new()).unwrap();
+    use weir_queue::WorkQueue;
+    assert_eq!(q.stats().await.unwrap().delayed, 5);
+    // It does not overwrite.
+    let again = Command::new(weir_testkit::weir_bin())
+        .args(["backup", &copy.display().to_string(), "--queue", &queue])
+        .output()
+        .unwrap();
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("exists already"));
+    e.stop(Duration::from_secs(10)).await;
+}

@@ -307,6 +307,29 @@ impl SqliteQueue {
     }
 }
 
+/// Copy the queue at `from` to a new file `to`, consistently, while an engine may be running
+/// on it (the copy is one read transaction; the engine's lock is not needed to read).
+pub fn backup(from: &Path, to: &Path) -> Result<(), QueueError> {
+    if to.exists() {
+        return Err(QueueError::Open(format!(
+            "{} exists already; a backup does not overwrite",
+            to.display()
+        )));
+    }
+    if !from.exists() {
+        return Err(QueueError::Open(format!("no queue at {}", from.display())));
+    }
+    let c = Connection::open_with_flags(
+        from,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| QueueError::Open(format!("{}: {e}", from.display())))?;
+    c.busy_timeout(Duration::from_secs(5))?;
+    c.execute("VACUUM INTO ?1", [to.display().to_string()])
+        .map_err(|e| QueueError::Open(format!("backup to {}: {e}", to.display())))?;
+    Ok(())
+}
+
 impl Drop for SqliteQueue {
     /// Close the writer and wait for it, so the file and its lock are free on return (a
     /// reopen right after, as a restart does, finds them free).

@@ -82,6 +82,14 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = Format::Dot)]
         format: Format,
     },
+    /// Copy the SQLite queue to a new file, consistently, while the engine runs.
+    Backup {
+        /// Where the copy goes (must not exist).
+        to: PathBuf,
+        /// The queue to copy.
+        #[arg(long, env = "WEIR_QUEUE", default_value = weir::DEFAULT_QUEUE)]
+        queue: String,
+    },
     /// Look at and change the queue of a running engine.
     Queue {
         #[command(subcommand)]
@@ -220,6 +228,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .exec_config(cfg)
                 .build()?;
             engine.run(shutdown_signal()).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Backup { to, queue } => {
+            let Some(from) = queue.strip_prefix("sqlite:") else {
+                anyhow::bail!("`weir backup` copies an SQLite queue; `{queue}` is not one (Redis has its own BGSAVE / AOF copies)");
+            };
+            weir::queue::sqlite::backup(std::path::Path::new(from), &to)?;
+            println!("{from} copied to {}", to.display());
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Validate { paths } => match Library::builtin().load_paths(&paths) {
