@@ -83,9 +83,31 @@ async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
         .output()
         .unwrap();
     assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("\"durable\": true"),
-        "the default queue is durable"
+        table
+            .lines()
+            .any(|l| l.starts_with("durable") && l.ends_with("yes")),
+        "the default queue is durable:\n{table}"
+    );
+    let json = Command::new(weir_testkit::weir_bin())
+        .args(["queue", "stats", "--json", "--api", &base])
+        .output()
+        .unwrap();
+    let stats: serde_json::Value =
+        serde_json::from_slice(&json.stdout).expect("--json prints JSON");
+    assert_eq!(stats["durable"], true);
+    let flows = Command::new(weir_testkit::weir_bin())
+        .args(["flow", "ls", "--url", &base])
+        .output()
+        .unwrap();
+    let flows = String::from_utf8_lossy(&flows.stdout);
+    assert!(flows.starts_with("FLOW"), "{flows}");
+    assert!(
+        flows
+            .lines()
+            .any(|l| l.starts_with("thermostat") && l.contains("running")),
+        "{flows}"
     );
     // A second engine on the same queue file refuses to start, and says why.
     let second = Command::new(weir_testkit::weir_bin())

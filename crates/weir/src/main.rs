@@ -8,6 +8,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use weir::{Engine, Library};
 
+mod show;
+
 #[derive(Parser)]
 #[command(
     name = "weir",
@@ -94,27 +96,33 @@ enum Cmd {
     Queue {
         #[command(subcommand)]
         cmd: QueueCmd,
-        /// The engine's admin address.
-        #[arg(
-            long,
-            env = "WEIR_URL",
-            default_value = "http://127.0.0.1:8080",
-            global = true
-        )]
-        url: String,
+        #[command(flatten)]
+        api: Api,
     },
     /// Pause, resume or step the flows of a running engine.
     Flow {
         #[command(subcommand)]
         cmd: FlowCmd,
-        #[arg(
-            long,
-            env = "WEIR_URL",
-            default_value = "http://127.0.0.1:8080",
-            global = true
-        )]
-        url: String,
+        #[command(flatten)]
+        api: Api,
     },
+}
+
+/// How the CLI reaches a running engine's admin API (token from WEIR_ADMIN_TOKEN).
+#[derive(clap::Args)]
+struct Api {
+    /// The engine's admin address.
+    #[arg(
+        long,
+        visible_alias = "api",
+        env = "WEIR_URL",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
+    url: String,
+    /// Print the API's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -268,7 +276,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Queue { cmd, url } => {
+        Cmd::Queue { cmd, api } => {
             let (method, path) = match &cmd {
                 QueueCmd::Stats => ("GET", "/api/stats".to_string()),
                 QueueCmd::Ls { flow, state } => {
@@ -287,21 +295,32 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 QueueCmd::Discard { id } => ("DELETE", format!("/api/dead-letters/{id}")),
                 QueueCmd::Cancel { id } => ("DELETE", format!("/api/queue/{id}")),
             };
-            call(&url, method, &path).await
+            let view = match cmd {
+                QueueCmd::Stats => show::View::Stats,
+                QueueCmd::Ls { .. } | QueueCmd::Dead => show::View::Items,
+                QueueCmd::Show { .. } => show::View::Item,
+                _ => show::View::Done,
+            };
+            call(&api, method, &path, view).await
         }
-        Cmd::Flow { cmd, url } => {
+        Cmd::Flow { cmd, api } => {
             let (method, path) = match &cmd {
                 FlowCmd::Ls => ("GET", "/api/flows".to_string()),
                 FlowCmd::Pause { flow } => ("POST", format!("/api/flows/{flow}/pause")),
                 FlowCmd::Resume { flow } => ("POST", format!("/api/flows/{flow}/resume")),
                 FlowCmd::Step { flow } => ("POST", format!("/api/flows/{flow}/step")),
             };
-            call(&url, method, &path).await
+            let view = match cmd {
+                FlowCmd::Ls => show::View::Flows,
+                _ => show::View::Done,
+            };
+            call(&api, method, &path, view).await
         }
     }
 }
 
-async fn call(base: &str, method: &str, path: &str) -> anyhow::Result<ExitCode> {
+async fn call(api: &Api, method: &str, path: &str, view: show::View) -> anyhow::Result<ExitCode> {
+    let base = &api.url;
     let url = format!("{}{path}", base.trim_end_matches('/'));
     let client = reqwest::Client::new();
     let mut req = match method {
@@ -320,7 +339,16 @@ async fn call(base: &str, method: &str, path: &str) -> anyhow::Result<ExitCode> 
         .with_context(|| format!("cannot reach the engine at {base} (is `weir run` running?)"))?;
     let status = resp.status();
     let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
-    println!("{}", serde_json::to_string_pretty(&body)?);
+    if api.json {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+    } else if !status.is_success() {
+        eprintln!(
+            "error: {} ({status})",
+            body["error"].as_str().unwrap_or("the engine refused")
+        );
+    } else {
+        print!("{}", show::render(view, &body));
+    }
     Ok(if status.is_success() {
         ExitCode::SUCCESS
     } else {
