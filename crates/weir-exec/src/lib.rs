@@ -9,6 +9,8 @@
 
 mod wave;
 
+pub use wave::{RunRecord, RUNS};
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;

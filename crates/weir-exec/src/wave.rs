@@ -16,9 +16,17 @@ use crate::{backoff, Executor, FlowRt};
 
 /// How a wave ended before its commit.
 enum Outcome {
-    Commit(WaveEffects, Vec<Reply>),
+    Commit(WaveEffects, Extras),
     /// Stop without committing (a failpoint simulating a crash): the item is redelivered.
     Abandon,
+}
+
+/// What a wave leaves besides its effects: replies to post after the commit, and the
+/// messages that reached nodes with no wires out (a run's outputs).
+#[derive(Default)]
+struct Extras {
+    replies: Vec<Reply>,
+    reached: Vec<Message>,
 }
 
 /// Runs of a wave whose commit met a conflict, before the item is left to redelivery.
@@ -33,19 +41,19 @@ impl Executor {
                 let outcome = match &flow {
                     None => Outcome::Commit(
                         WaveEffects::ending(End::DeadLetter(format!("flow `{}` is not loaded", c.item.flow))),
-                        Vec::new(),
+                        Extras::default(),
                     ),
                     Some(f) => match tokio::time::timeout(self.cfg.wave_deadline, self.prepare_and_run(f, &c)).await {
                         Ok(o) => o,
-                        Err(_) => Outcome::Commit(self.deadline_passed(&c.item), Vec::new()),
+                        Err(_) => Outcome::Commit(self.deadline_passed(&c.item), Extras::default()),
                     },
                 };
-                let (fx, replies) = match outcome {
+                let (mut fx, extras) = match outcome {
                     Outcome::Abandon => {
                         tracing::warn!("wave abandoned before its commit (failpoint); the item will be redelivered");
                         return;
                     }
-                    Outcome::Commit(fx, replies) => (fx, replies),
+                    Outcome::Commit(fx, extras) => (fx, extras),
                 };
                 let end = match &fx.end {
                     Some(End::DeadLetter(_)) => "dead_letter",
@@ -53,12 +61,16 @@ impl Executor {
                     Some(End::Superseded) => "superseded",
                     _ => "ack",
                 };
+                if let Err(e) = self.account_run(&c.item, &mut fx, extras.reached).await {
+                    tracing::warn!(error = %e, "cannot read the run's record; the item will be redelivered");
+                    return;
+                }
                 match self.commit_with_retries(&c, fx).await {
                     Some(Committed::Done) => {
                         let flow = c.item.flow.clone();
                         metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end).increment(1);
                         metrics::histogram!("weir_wave_seconds", "flow" => flow).record(started.elapsed().as_secs_f64());
-                        for r in replies {
+                        for r in extras.replies {
                             if let Err(e) = self.queue.post_reply(c.item.root_id(), r).await {
                                 tracing::warn!(error = %e, "could not post the webhook reply");
                             }
@@ -123,7 +135,9 @@ impl Executor {
         let item = &c.item;
         if !c.stepped {
             match self.queue.is_paused(&item.flow).await {
-                Ok(true) => return Outcome::Commit(WaveEffects::ending(End::Park), Vec::new()),
+                Ok(true) => {
+                    return Outcome::Commit(WaveEffects::ending(End::Park), Extras::default())
+                }
                 Ok(false) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the flow's pause state");
@@ -137,7 +151,7 @@ impl Executor {
                     "node `{}` is not in flow `{}` (was the flow changed?)",
                     item.node, item.flow
                 ))),
-                Vec::new(),
+                Extras::default(),
             );
         };
         let mut guards = Vec::new();
@@ -145,7 +159,9 @@ impl Executor {
             let key = StateKey::new(&item.flow, &item.node, k);
             match self.queue.read(&key).await {
                 Ok(v) if v.value.as_ref() == Some(want) => guards.push((key, want.clone())),
-                Ok(_) => return Outcome::Commit(WaveEffects::ending(End::Superseded), Vec::new()),
+                Ok(_) => {
+                    return Outcome::Commit(WaveEffects::ending(End::Superseded), Extras::default())
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read a guard");
                     return Outcome::Abandon;
@@ -158,7 +174,7 @@ impl Executor {
                     "delivered {} times without finishing (ceiling {})",
                     item.deliveries, self.cfg.max_deliveries
                 ))),
-                Vec::new(),
+                Extras::default(),
             );
         }
         let mut out = self.run_wave(f, item, start).await;
@@ -191,7 +207,11 @@ impl Executor {
         let mut fx = WaveEffects::ending(End::Ack);
         let mut failures = Vec::new();
         let mut steps = 0usize;
+        let mut reached = Vec::new();
         while let Some((n, msg)) = pending.pop_front() {
+            if item.run_id.is_some() && flow.graph.is_leaf(n) {
+                reached.push(msg.clone());
+            }
             steps += 1;
             if steps > self.cfg.step_bound {
                 return Outcome::Commit(
@@ -199,7 +219,7 @@ impl Executor {
                         "the wave exceeded its step bound of {} node calls (a loop in the graph?)",
                         self.cfg.step_bound
                     ))),
-                    Vec::new(),
+                    Extras::default(),
                 );
             }
             let position = steps as u32;
@@ -293,7 +313,7 @@ impl Executor {
         if !failures.is_empty() {
             fx.outcome = Some(format!("done with failures: {}", failures.join("; ")));
         }
-        Outcome::Commit(fx, replies)
+        Outcome::Commit(fx, Extras { replies, reached })
     }
 
     /// A node failed on `input`: retry it at that node later, or dead-letter the input.
@@ -384,5 +404,78 @@ impl Executor {
             )),
             ..WaveEffects::ending(End::Ack)
         }
+    }
+}
+
+/// Runs (DESIGN §8) keep their record in the flow's node memory under this pseudo-node.
+pub const RUNS: &str = "$runs";
+
+/// A run's record: what `GET /api/runs/<id>` answers.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RunRecord {
+    /// queued | running | done | failed
+    pub status: String,
+    /// The messages that reached nodes with no wires out, in order.
+    pub outputs: Vec<Message>,
+    pub error: Option<String>,
+    /// Items of the run not yet ended (the run is over at 0).
+    pub pending: i64,
+}
+
+impl Executor {
+    /// Keep the run's record in step with this wave, in the same commit: one item of the run
+    /// ends, its follow-ups carry the run on, what reached a leaf is an output.
+    async fn account_run(
+        &self,
+        item: &WorkItem,
+        fx: &mut WaveEffects,
+        reached: Vec<Message>,
+    ) -> Result<(), weir_state::StateError> {
+        let Some(run) = &item.run_id else {
+            return Ok(());
+        };
+        if fx.end == Some(End::Park) {
+            return Ok(());
+        }
+        let key = StateKey::new(&item.flow, RUNS, run);
+        let mut overlay = Overlay::new();
+        let stored = overlay.get(&*self.queue, &key).await?;
+        let mut rec: RunRecord = stored
+            .and_then(|v| serde_json::from_value(v).ok())
+            .unwrap_or(RunRecord {
+                pending: 1,
+                ..Default::default()
+            });
+        let carried = fx
+            .follow_ups
+            .iter()
+            .chain(&fx.delayed)
+            .filter(|i| i.run_id.as_ref() == Some(run))
+            .count() as i64;
+        rec.pending = (rec.pending - 1 + carried).max(0);
+        rec.outputs.extend(reached);
+        let failed: Vec<String> = match &fx.end {
+            Some(End::DeadLetter(r)) => vec![r.clone()],
+            _ => Vec::new(),
+        }
+        .into_iter()
+        .chain(fx.dead.iter().map(|(_, r)| r.clone()))
+        .collect();
+        if !failed.is_empty() {
+            let mut all: Vec<String> = rec.error.take().into_iter().collect();
+            all.extend(failed);
+            rec.error = Some(all.join("; "));
+        }
+        rec.status = match (rec.pending, &rec.error) {
+            (p, _) if p > 0 => "running",
+            (_, Some(_)) => "failed",
+            _ => "done",
+        }
+        .into();
+        let value =
+            serde_json::to_value(&rec).map_err(|e| weir_state::StateError(e.to_string()))?;
+        overlay.set(&*self.queue, key, Some(value)).await?;
+        fx.state.extend(overlay.into_writes());
+        Ok(())
     }
 }

@@ -36,6 +36,8 @@ pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>, token: Option<String
         .route("/api/dead-letters/{id}/replay", post(replay))
         .route("/api/flows", get(flows_ls))
         .route("/api/flows/{id}/{action}", post(flow_action))
+        .route("/api/flows/{id}/runs", post(start_run))
+        .route("/api/runs/{id}", get(run_status))
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();
             async move { authorize(token.as_deref().map(String::as_str), req, next).await }
@@ -97,6 +99,93 @@ async fn prometheus(State(a): State<Admin>) -> Response {
         handle.render(),
     )
         .into_response()
+}
+
+/// Start a run (DESIGN §8): the body enters the flow at its `manual` node as `msg.payload`.
+async fn start_run(
+    State(a): State<Admin>,
+    Path(id): Path<String>,
+    body: Option<Json<serde_json::Value>>,
+) -> Response {
+    let Some(f) = a.flows.get(&id) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({ "error": format!("no flow `{id}`") })),
+        )
+            .into_response();
+    };
+    let Some((node, _)) = f
+        .flow
+        .triggers()
+        .find(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Manual))
+    else {
+        return bad(format!(
+            "flow `{id}` has no `manual` node to start a run at"
+        ));
+    };
+    let input = body.map(|Json(v)| v).unwrap_or(serde_json::Value::Null);
+    let mut item =
+        weir_queue::WorkItem::cascade(&id, node, "run", vec![json!({ "payload": input })]);
+    item.kind = weir_queue::ItemKind::Run;
+    let run_id = item.id.to_string();
+    item.cause = format!("run:{run_id}");
+    item.run_id = Some(run_id.clone());
+    match a.queue.add(vec![item]).await {
+        Ok(()) => (StatusCode::ACCEPTED, Json(json!({ "run_id": run_id }))).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+/// A run's status: its record once its first wave committed, before that its item's state.
+async fn run_status(State(a): State<Admin>, Path(id): Path<String>) -> Response {
+    let ulid = match parse_id(&id) {
+        Ok(i) => i,
+        Err(r) => return r,
+    };
+    let item = match a.queue.get(ulid).await {
+        Ok(v) => v,
+        Err(e) => return err(e),
+    };
+    // The run's flow: its first item's, or (once that is pruned) whichever flow has the record.
+    let flows: Vec<String> = match &item {
+        Some(v) => vec![v.item.flow.clone()],
+        None => a.flows.all().iter().map(|f| f.flow.id.clone()).collect(),
+    };
+    for flow in flows {
+        let key = weir_queue::StateKey::new(&flow, weir_exec::RUNS, &id);
+        match a.queue.read(&key).await {
+            Ok(v) => {
+                if let Some(rec) = v.value {
+                    let mut rec = rec;
+                    rec["run_id"] = id.clone().into();
+                    rec["flow"] = flow.into();
+                    return Json(rec).into_response();
+                }
+            }
+            Err(e) => return err(QueueError::Unavailable(e.0)),
+        }
+    }
+    match item {
+        Some(v) => {
+            let status = match &v.state {
+                weir_queue::ItemState::InFlight { .. } => "running",
+                weir_queue::ItemState::Dead { .. } => "failed",
+                weir_queue::ItemState::Finished { .. } => "done",
+                _ => "queued",
+            };
+            let error = match &v.state {
+                weir_queue::ItemState::Dead { reason, .. } => Some(reason.clone()),
+                _ => None,
+            };
+            Json(json!({ "run_id": id, "flow": v.item.flow, "status": status, "outputs": [], "error": error }))
+                .into_response()
+        }
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({ "error": format!("no run {id}") })),
+        )
+            .into_response(),
+    }
 }
 
 /// Ready when the queue backend answers.

@@ -84,6 +84,21 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = Format::Dot)]
         format: Format,
     },
+    /// Start a run of a flow (at its `manual` node) on a running engine.
+    RunFlow {
+        flow: String,
+        /// The run's input, as JSON: it becomes `msg.payload`.
+        #[arg(long, default_value = "null")]
+        input: String,
+        /// Wait until the run is done or failed, and print its outputs.
+        #[arg(long)]
+        wait: bool,
+        /// How long `--wait` waits.
+        #[arg(long, default_value = "60s", value_parser = duration)]
+        timeout: std::time::Duration,
+        #[command(flatten)]
+        api: Api,
+    },
     /// Copy the SQLite queue to a new file, consistently, while the engine runs.
     Backup {
         /// Where the copy goes (must not exist).
@@ -238,6 +253,72 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             engine.run(shutdown_signal()).await?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::RunFlow {
+            flow,
+            input,
+            wait,
+            timeout,
+            api,
+        } => {
+            let input: serde_json::Value = serde_json::from_str(&input)
+                .with_context(|| format!("--input `{input}` is not JSON"))?;
+            let (status, body) = request(
+                &api,
+                "POST",
+                &format!("/api/flows/{flow}/runs"),
+                Some(input),
+            )
+            .await?;
+            if !status.is_success() {
+                eprintln!(
+                    "error: {}",
+                    body["error"]
+                        .as_str()
+                        .unwrap_or("the engine refused the run")
+                );
+                return Ok(ExitCode::from(1));
+            }
+            let run = body["run_id"].as_str().unwrap_or_default().to_string();
+            if !wait {
+                println!(
+                    "{}",
+                    if api.json {
+                        body.to_string()
+                    } else {
+                        format!("run {run} queued")
+                    }
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+            let deadline = tokio::time::Instant::now() + timeout;
+            loop {
+                let (_, rec) = request(&api, "GET", &format!("/api/runs/{run}"), None).await?;
+                let state = rec["status"].as_str().unwrap_or_default().to_string();
+                if state == "done" || state == "failed" {
+                    if api.json {
+                        println!("{}", serde_json::to_string_pretty(&rec)?);
+                    } else {
+                        println!("run {run} {state}");
+                        if let Some(e) = rec["error"].as_str() {
+                            println!("error: {e}");
+                        }
+                        for o in rec["outputs"].as_array().into_iter().flatten() {
+                            println!("{o}");
+                        }
+                    }
+                    return Ok(if state == "done" {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    });
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    eprintln!("run {run} is still {state} after {timeout:?}");
+                    return Ok(ExitCode::from(2));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
         Cmd::Backup { to, queue } => {
             let Some(from) = queue.strip_prefix("sqlite:") else {
                 anyhow::bail!("`weir backup` copies an SQLite queue; `{queue}` is not one (Redis has its own BGSAVE / AOF copies)");
@@ -319,7 +400,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-async fn call(api: &Api, method: &str, path: &str, view: show::View) -> anyhow::Result<ExitCode> {
+/// One call to the admin API: its status and JSON answer.
+async fn request(
+    api: &Api,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> anyhow::Result<(reqwest::StatusCode, serde_json::Value)> {
     let base = &api.url;
     let url = format!("{}{path}", base.trim_end_matches('/'));
     let client = reqwest::Client::new();
@@ -333,12 +420,19 @@ async fn call(api: &Api, method: &str, path: &str, view: show::View) -> anyhow::
             req = req.bearer_auth(token);
         }
     }
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
     let resp = req
         .send()
         .await
         .with_context(|| format!("cannot reach the engine at {base} (is `weir run` running?)"))?;
     let status = resp.status();
-    let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+    Ok((status, resp.json().await.unwrap_or(serde_json::Value::Null)))
+}
+
+async fn call(api: &Api, method: &str, path: &str, view: show::View) -> anyhow::Result<ExitCode> {
+    let (status, body) = request(api, method, path, None).await?;
     if api.json {
         println!("{}", serde_json::to_string_pretty(&body)?);
     } else if !status.is_success() {
