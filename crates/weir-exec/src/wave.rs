@@ -15,6 +15,8 @@ use weir_state::Overlay;
 use crate::{backoff, Executor, FlowRt};
 
 /// How a wave ended before its commit.
+// Returned once per wave and consumed at once: boxing the big variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 enum Outcome {
     Commit(WaveEffects, Extras),
     /// Stop without committing (a failpoint simulating a crash): the item is redelivered.
