@@ -31,7 +31,9 @@ pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>, token: Option<String
         .route("/api/items/{id}", get(item))
         .route("/api/queue", get(list))
         .route("/api/queue/{id}", delete(cancel))
-        .route("/api/dead-letters", get(dead))
+        .route("/api/dead-letters", get(dead).delete(discard_many))
+        .route("/api/dead-letters/replay", post(replay_many))
+        .route("/api/outcomes", get(outcomes))
         .route("/api/dead-letters/{id}", delete(discard))
         .route("/api/dead-letters/{id}/replay", post(replay))
         .route("/api/flows", get(flows_ls))
@@ -277,6 +279,92 @@ struct DeadQuery {
 
 async fn dead(State(a): State<Admin>, Query(q): Query<DeadQuery>) -> Response {
     match a.queue.dead_letters(q.limit.unwrap_or(100).min(1000)).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+/// Which dead letters a bulk action takes: of one flow, whose reason contains a text, or
+/// (`all=true`) every one. Without any of them the action refuses, so that a bare call
+/// cannot empty the list by accident.
+#[derive(Deserialize)]
+struct Bulk {
+    flow: Option<String>,
+    reason: Option<String>,
+    #[serde(default)]
+    all: bool,
+}
+
+/// Dead letters a bulk action takes (at most 10,000 a call).
+async fn chosen(a: &Admin, b: &Bulk) -> Result<Vec<ulid::Ulid>, Response> {
+    if b.flow.is_none() && b.reason.is_none() && !b.all {
+        return Err(bad(
+            "say which dead letters: flow=…, reason=… or all=true".into()
+        ));
+    }
+    let list = a.queue.dead_letters(10_000).await.map_err(err)?;
+    Ok(list
+        .into_iter()
+        .filter(|v| b.flow.as_ref().is_none_or(|f| *f == v.item.flow))
+        .filter(|v| match (&b.reason, &v.state) {
+            (None, _) => true,
+            (Some(want), weir_queue::ItemState::Dead { reason, .. }) => {
+                reason.contains(want.as_str())
+            }
+            _ => false,
+        })
+        .map(|v| v.item.id)
+        .collect())
+}
+
+async fn replay_many(State(a): State<Admin>, Query(b): Query<Bulk>) -> Response {
+    let ids = match chosen(&a, &b).await {
+        Ok(ids) => ids,
+        Err(r) => return r,
+    };
+    let mut replayed = Vec::new();
+    for id in ids {
+        match a.queue.replay(id).await {
+            Ok(new_id) => {
+                replayed.push(json!({ "id": new_id.to_string(), "replayed": id.to_string() }))
+            }
+            Err(QueueError::NotFound(_)) | Err(QueueError::Conflict(_)) => {}
+            Err(e) => return err(e),
+        }
+    }
+    Json(json!({ "replayed": replayed.len(), "items": replayed })).into_response()
+}
+
+async fn discard_many(State(a): State<Admin>, Query(b): Query<Bulk>) -> Response {
+    let ids = match chosen(&a, &b).await {
+        Ok(ids) => ids,
+        Err(r) => return r,
+    };
+    let mut n = 0;
+    for id in ids {
+        match a.queue.discard(id).await {
+            Ok(()) => n += 1,
+            Err(QueueError::NotFound(_)) | Err(QueueError::Conflict(_)) => {}
+            Err(e) => return err(e),
+        }
+    }
+    Json(json!({ "discarded": n })).into_response()
+}
+
+/// What became of the items that ended: done, cancelled or discarded by hand, replayed,
+/// superseded… (ULID order, paged with `after`).
+async fn outcomes(State(a): State<Admin>, Query(q): Query<ListQuery>) -> Response {
+    let after = match q.after.as_deref().map(parse_id).transpose() {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let filter = ListFilter {
+        flow: q.flow,
+        state: Some("finished".into()),
+        after,
+        limit: q.limit.unwrap_or(100).min(1000),
+    };
+    match a.queue.list(filter).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => err(e),
     }

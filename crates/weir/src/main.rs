@@ -161,12 +161,66 @@ enum QueueCmd {
     Show { id: String },
     /// Dead letters, newest first.
     Dead,
-    /// Put a dead letter back.
-    Replay { id: String },
-    /// Drop a dead letter (a record is kept).
-    Discard { id: String },
+    /// Put a dead letter back: one by id, or in bulk with --flow / --reason / --all.
+    Replay {
+        id: Option<String>,
+        #[command(flatten)]
+        bulk: BulkArgs,
+    },
+    /// Drop a dead letter (a record is kept): one by id, or in bulk.
+    Discard {
+        id: Option<String>,
+        #[command(flatten)]
+        bulk: BulkArgs,
+    },
+    /// What became of the items that ended (done, cancelled or discarded by hand, …).
+    Outcomes {
+        #[arg(long)]
+        flow: Option<String>,
+    },
     /// Cancel a waiting, delayed or parked item.
     Cancel { id: String },
+}
+
+/// Which dead letters a bulk replay or discard takes.
+#[derive(clap::Args)]
+struct BulkArgs {
+    /// Those of this flow.
+    #[arg(long)]
+    flow: Option<String>,
+    /// Those whose reason contains this text.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Every one.
+    #[arg(long)]
+    all: bool,
+}
+
+impl BulkArgs {
+    /// The query of a bulk call, or `None` when nothing was chosen.
+    fn query(&self) -> Option<String> {
+        let enc = |s: &str| -> String {
+            s.bytes()
+                .map(|b| match b {
+                    b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                        (b as char).to_string()
+                    }
+                    _ => format!("%{b:02X}"),
+                })
+                .collect()
+        };
+        let mut q = Vec::new();
+        if let Some(f) = &self.flow {
+            q.push(format!("flow={}", enc(f)));
+        }
+        if let Some(r) = &self.reason {
+            q.push(format!("reason={}", enc(r)));
+        }
+        if self.all {
+            q.push("all=true".into());
+        }
+        (!q.is_empty()).then(|| q.join("&"))
+    }
 }
 
 #[derive(Subcommand)]
@@ -372,13 +426,37 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 QueueCmd::Show { id } => ("GET", format!("/api/items/{id}")),
                 QueueCmd::Dead => ("GET", "/api/dead-letters".into()),
-                QueueCmd::Replay { id } => ("POST", format!("/api/dead-letters/{id}/replay")),
-                QueueCmd::Discard { id } => ("DELETE", format!("/api/dead-letters/{id}")),
+                QueueCmd::Replay { id: Some(id), .. } => {
+                    ("POST", format!("/api/dead-letters/{id}/replay"))
+                }
+                QueueCmd::Discard { id: Some(id), .. } => {
+                    ("DELETE", format!("/api/dead-letters/{id}"))
+                }
+                QueueCmd::Replay { id: None, bulk } | QueueCmd::Discard { id: None, bulk } => {
+                    let Some(q) = bulk.query() else {
+                        anyhow::bail!("give an item id, or choose dead letters with --flow, --reason or --all");
+                    };
+                    match &cmd {
+                        QueueCmd::Replay { .. } => {
+                            ("POST", format!("/api/dead-letters/replay?{q}"))
+                        }
+                        _ => ("DELETE", format!("/api/dead-letters?{q}")),
+                    }
+                }
+                QueueCmd::Outcomes { flow } => (
+                    "GET",
+                    match flow {
+                        Some(f) => format!("/api/outcomes?flow={f}"),
+                        None => "/api/outcomes".into(),
+                    },
+                ),
                 QueueCmd::Cancel { id } => ("DELETE", format!("/api/queue/{id}")),
             };
             let view = match cmd {
                 QueueCmd::Stats => show::View::Stats,
-                QueueCmd::Ls { .. } | QueueCmd::Dead => show::View::Items,
+                QueueCmd::Ls { .. } | QueueCmd::Dead | QueueCmd::Outcomes { .. } => {
+                    show::View::Items
+                }
                 QueueCmd::Show { .. } => show::View::Item,
                 _ => show::View::Done,
             };

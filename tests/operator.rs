@@ -1,0 +1,188 @@
+//! The operator's hands: pauses that outlive a restart, dead letters replayed and discarded
+//! in bulk with outcomes left behind, a delayed item cancelled by hand that never runs.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use weir::Failpoints;
+use weir_testkit::{
+    get_json, post_admin, post_json, start_on, wait_for, wait_for_dead_letters, Sink,
+};
+
+async fn delete(base: &str, path: &str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .delete(format!("{base}{path}"))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_outlives_a_restart_and_its_parked_items_wait() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        "id: p\nconcurrency: 1\nnodes:\n  in: {{ type: webhook, path: p, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
+        sink.url("got")
+    );
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let e = start_on(&queue, &[("p.yaml", &flow)], Failpoints::new()).await;
+    post_admin(&e, "/api/flows/p/pause").await;
+    for n in 0..3 {
+        post_json(&e, "p", json!({ "n": n })).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get_json(&e, "/api/stats").await["parked"] != 3 {
+        assert!(Instant::now() < deadline, "three parked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e.shutdown().await;
+    let e = start_on(&queue, &[("p.yaml", &flow)], Failpoints::new()).await;
+    let flows = get_json(&e, "/api/flows").await;
+    assert_eq!(
+        flows[0]["paused"], true,
+        "still paused after the restart: {flows}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(sink.count(), 0, "parked items wait");
+    let stepped = post_admin(&e, "/api/flows/p/step").await;
+    assert!(stepped["stepped"].is_string());
+    wait_for("the stepped one", Duration::from_secs(10), || {
+        sink.count() == 1
+    })
+    .await;
+    assert_eq!(sink.bodies()[0]["n"], 0, "step releases the oldest");
+    post_admin(&e, "/api/flows/p/resume").await;
+    wait_for("the rest", Duration::from_secs(10), || sink.count() == 3).await;
+    let ns: Vec<u64> = sink
+        .bodies()
+        .iter()
+        .map(|b| b["n"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ns, vec![0, 1, 2], "in order");
+    e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_in_bulk_and_the_outcomes_they_leave() {
+    let flow = r#"
+id: picky
+nodes:
+  in: { type: webhook, path: in, to: [check] }
+  check:
+    type: function
+    script: |
+      if msg.payload.n % 2 == 1 { throw "odd " + msg.payload.n; }
+      msg
+"#;
+    let e = start_on("memory", &[("picky.yaml", flow)], Failpoints::new()).await;
+    let base = format!("http://{}", e.admin_addr);
+    for n in 0..6 {
+        post_json(&e, "in", json!({ "n": n })).await;
+    }
+    let dead = wait_for_dead_letters(&e, 3, Duration::from_secs(10)).await;
+    assert!(
+        dead.iter()
+            .all(|d| d["reason"].as_str().unwrap().contains("script threw")),
+        "{dead:?}"
+    );
+    // A bare bulk call is refused: it would empty the list by accident.
+    assert_eq!(delete(&base, "/api/dead-letters").await.0, 400);
+    // Replay them all: each fails again, and is listed again (as new items).
+    let r: Value = reqwest::Client::new()
+        .post(format!("{base}/api/dead-letters/replay?flow=picky"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["replayed"], 3, "{r}");
+    // Each fails again: three new dead letters for the same messages (the first ones ended
+    // as "replayed as …").
+    let first: Vec<String> = dead
+        .iter()
+        .map(|d| d["item"]["id"].as_str().unwrap().to_string())
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = get_json(&e, "/api/dead-letters").await;
+        let now: Vec<&Value> = d.as_array().unwrap().iter().collect();
+        let fresh = now
+            .iter()
+            .filter(|v| !first.contains(&v["item"]["id"].as_str().unwrap().to_string()))
+            .count();
+        if now.len() == 3 && fresh == 3 {
+            let mut ns: Vec<u64> = now
+                .iter()
+                .map(|v| v["item"]["outputs"][0][0]["payload"]["n"].as_u64().unwrap())
+                .collect();
+            ns.sort_unstable();
+            assert_eq!(ns, vec![1, 3, 5]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replays fail again: {d}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Discard those whose reason says "odd 3": one; then all.
+    let (status, one) = delete(&base, "/api/dead-letters?reason=odd%203").await;
+    assert_eq!((status, one["discarded"].as_u64()), (200, Some(1)), "{one}");
+    let (_, rest) = delete(&base, "/api/dead-letters?all=true").await;
+    assert_eq!(rest["discarded"], 2);
+    assert_eq!(get_json(&e, "/api/dead-letters").await, json!([]));
+    let outcomes = get_json(&e, "/api/outcomes?flow=picky&limit=100").await;
+    let texts: Vec<&str> = outcomes
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        texts.iter().filter(|t| **t == "discarded by hand").count(),
+        3,
+        "{texts:?}"
+    );
+    assert_eq!(
+        texts
+            .iter()
+            .filter(|t| t.starts_with("replayed as "))
+            .count(),
+        3,
+        "{texts:?}"
+    );
+    e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_item_is_listed_with_its_due_time_and_cancelled_by_hand_never_runs() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        "id: later\nnodes:\n  in: {{ type: webhook, path: in, to: [wait] }}\n  wait: {{ type: delay, for: 600ms, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
+        sink.url("got")
+    );
+    let e = start_on("memory", &[("later.yaml", &flow)], Failpoints::new()).await;
+    let base = format!("http://{}", e.admin_addr);
+    post_json(&e, "in", json!({ "n": 1 })).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let delayed = loop {
+        let l = get_json(&e, "/api/queue?state=delayed").await;
+        if let Some(d) = l.as_array().and_then(|a| a.first()).cloned() {
+            break d;
+        }
+        assert!(Instant::now() < deadline, "the delay's item is listed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(
+        delayed["due"].as_i64().unwrap() > weir::queue::now_ms(),
+        "with its due time: {delayed}"
+    );
+    let id = delayed["item"]["id"].as_str().unwrap();
+    let (status, _) = delete(&base, &format!("/api/queue/{id}")).await;
+    assert_eq!(status, 200);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(sink.count(), 0, "a cancelled timer never fires");
+    let item = get_json(&e, &format!("/api/items/{id}")).await;
+    assert_eq!(item["outcome"], "cancelled by hand", "{item}");
+    e.shutdown().await;
+}
