@@ -93,11 +93,19 @@ fn stats(v: &Value) -> String {
         .collect()
 }
 
+/// A time in ms since the epoch, as UTC.
+fn when(ms: &Value) -> String {
+    ms.as_i64()
+        .and_then(chrono::DateTime::from_timestamp_millis)
+        .map(|t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string())
+        .unwrap_or_else(|| "-".into())
+}
+
 /// The one-line detail of an item's state.
 fn detail(v: &Value) -> String {
     match v["state"].as_str().unwrap_or_default() {
-        "in_flight" => format!("at {} since {}", text(&v["consumer"]), text(&v["since"])),
-        "delayed" => format!("due {}", text(&v["due"])),
+        "in_flight" => format!("at {} since {}", text(&v["consumer"]), when(&v["since"])),
+        "delayed" => format!("due {}", when(&v["due"])),
         "dead" => text(&v["reason"]),
         "finished" => text(&v["outcome"]),
         _ => String::new(),
@@ -204,5 +212,10 @@ mod tests {
         assert!(s.contains("ready           3\n"), "{s}");
         assert!(s.contains("oldest pending  1.5s\n"), "{s}");
         assert!(s.contains("durable         yes\n"), "{s}");
+        let d = render(
+            View::Items,
+            &json!([{"item": {"id": "01C", "flow": "f", "node": "w", "deliveries": 0}, "state": "delayed", "due": 1_800_000_000_000i64}]),
+        );
+        assert!(d.contains("due 2027-01-15T08:00:00Z"), "{d}");
     }
 }
