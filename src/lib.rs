@@ -282,6 +282,10 @@ impl WeirProcess {
         }
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL, as a crash would; waits until the process is gone.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

@@ -117,6 +117,24 @@ impl Flows {
         ))
     }
 
+    /// Put `flows` in force (a reload): new and changed flows get a fresh runtime, waves
+    /// already running keep the one they started with. Returns the ids no longer loaded.
+    pub fn replace(&self, flows: Vec<LoadedFlow>) -> Vec<String> {
+        let next: HashMap<String, Arc<FlowRt>> = flows
+            .into_iter()
+            .map(|f| (f.id.clone(), Arc::new(FlowRt::new(f))))
+            .collect();
+        let mut g = self.0.write().unwrap_or_else(|p| p.into_inner());
+        let mut gone: Vec<String> = g
+            .keys()
+            .filter(|k| !next.contains_key(*k))
+            .cloned()
+            .collect();
+        gone.sort();
+        *g = next;
+        gone
+    }
+
     pub fn get(&self, id: &str) -> Option<Arc<FlowRt>> {
         self.0
             .read()

@@ -41,35 +41,55 @@ struct Hook {
     spec: WebhookSpec,
 }
 
+type Table = HashMap<String, Vec<Hook>>;
+
+/// The webhook routes now in force; [`Routes::rebuild`] swaps in a new flow set's (reload).
+#[derive(Clone, Default)]
+pub struct Routes(Arc<std::sync::RwLock<Arc<Table>>>);
+
+impl Routes {
+    /// Take the routes from every webhook node of `flows`.
+    pub fn rebuild(&self, flows: &Flows) {
+        let mut routes: Table = HashMap::new();
+        for f in flows.all() {
+            for (node, t) in f.flow.triggers() {
+                if let Trigger::Webhook(spec) = t {
+                    routes.entry(spec.path.clone()).or_default().push(Hook {
+                        flow: f.flow.id.clone(),
+                        node: node.to_string(),
+                        spec: spec.clone(),
+                    });
+                }
+            }
+        }
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(routes);
+    }
+
+    fn now(&self) -> Arc<Table> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
 #[derive(Clone)]
 struct Hooks {
     queue: Arc<dyn WorkQueue>,
-    routes: Arc<HashMap<String, Vec<Hook>>>,
+    routes: Routes,
     intake: Intake,
 }
 
-/// The `/hooks/*` routes for every webhook node of `flows`.
-pub fn router(queue: Arc<dyn WorkQueue>, flows: &Flows, intake: Intake) -> Router {
-    let mut routes: HashMap<String, Vec<Hook>> = HashMap::new();
-    for f in flows.all() {
-        for (node, t) in f.flow.triggers() {
-            if let Trigger::Webhook(spec) = t {
-                routes.entry(spec.path.clone()).or_default().push(Hook {
-                    flow: f.flow.id.clone(),
-                    node: node.to_string(),
-                    spec: spec.clone(),
-                });
-            }
-        }
-    }
+/// The `/hooks/*` routes for every webhook node of `flows`, and the handle that changes them.
+pub fn router(queue: Arc<dyn WorkQueue>, flows: &Flows, intake: Intake) -> (Router, Routes) {
+    let routes = Routes::default();
+    routes.rebuild(flows);
     let state = Hooks {
         queue,
-        routes: Arc::new(routes),
+        routes: routes.clone(),
         intake,
     };
-    Router::new()
+    let r = Router::new()
         .route("/hooks/{*path}", any(handle))
-        .with_state(state)
+        .with_state(state);
+    (r, routes)
 }
 
 fn error(status: StatusCode, msg: impl Into<String>) -> Response {
@@ -84,7 +104,8 @@ async fn handle(
     body: Body,
 ) -> Response {
     let path = path.trim_matches('/').to_string();
-    let Some(hooks) = s.routes.get(&path) else {
+    let table = s.routes.now();
+    let Some(hooks) = table.get(&path) else {
         return error(
             StatusCode::NOT_FOUND,
             format!("no webhook at /hooks/{path}"),

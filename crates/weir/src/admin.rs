@@ -13,15 +13,28 @@ use ulid::Ulid;
 use weir_exec::Flows;
 use weir_queue::{ListFilter, QueueError, WorkQueue};
 
+/// Reading the flows again, for `POST /api/reload`.
+#[async_trait::async_trait]
+pub trait Reload: Send + Sync {
+    /// What changed, or every problem of the refused flow set.
+    async fn reload(&self) -> Result<serde_json::Value, Vec<String>>;
+}
+
 #[derive(Clone)]
 struct Admin {
     queue: Arc<dyn WorkQueue>,
     flows: Arc<Flows>,
+    reload: Arc<dyn Reload>,
 }
 
 /// The admin API. With `token`, every `/api` call and `/metrics` needs
 /// `Authorization: Bearer <token>` (401 otherwise); `/healthz` and `/readyz` stay open.
-pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>, token: Option<String>) -> Router {
+pub fn router(
+    queue: Arc<dyn WorkQueue>,
+    flows: Arc<Flows>,
+    token: Option<String>,
+    reload: Arc<dyn Reload>,
+) -> Router {
     let token = token.map(Arc::new);
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -40,11 +53,16 @@ pub fn router(queue: Arc<dyn WorkQueue>, flows: Arc<Flows>, token: Option<String
         .route("/api/flows/{id}/{action}", post(flow_action))
         .route("/api/flows/{id}/runs", post(start_run))
         .route("/api/runs/{id}", get(run_status))
+        .route("/api/reload", post(reload_flows))
         .layer(axum::middleware::from_fn(move |req, next| {
             let token = token.clone();
             async move { authorize(token.as_deref().map(String::as_str), req, next).await }
         }))
-        .with_state(Admin { queue, flows })
+        .with_state(Admin {
+            queue,
+            flows,
+            reload,
+        })
 }
 
 /// Let a request through when no token is set, when it asks for an open path, or when it
@@ -185,6 +203,17 @@ async fn run_status(State(a): State<Admin>, Path(id): Path<String>) -> Response 
         None => (
             StatusCode::NOT_FOUND,
             Json(json!({ "error": format!("no run {id}") })),
+        )
+            .into_response(),
+    }
+}
+
+async fn reload_flows(State(a): State<Admin>) -> Response {
+    match a.reload.reload().await {
+        Ok(report) => Json(report).into_response(),
+        Err(errors) => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Json(json!({ "error": "the flows were not reloaded; the running ones stay", "errors": errors })),
         )
             .into_response(),
     }

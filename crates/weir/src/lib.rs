@@ -164,17 +164,16 @@ impl EngineBuilder {
                 .map_err(|e| EngineError::Config(format!("broker `{name}`: {e}")))?;
             mqtt.add_broker(name, b);
         }
-        let mut flows = self.library.load_paths(&self.paths)?;
-        flows.extend(self.library.load_strs(&self.sources)?);
-        let mut seen = std::collections::HashSet::new();
-        for f in &flows {
-            if !seen.insert(f.id.clone()) {
-                return Err(EngineError::Config(format!("duplicate flow id `{}`", f.id)));
-            }
-        }
+        let source = FlowSource {
+            library: self.library,
+            paths: self.paths,
+            sources: self.sources,
+        };
+        let flows = source.load()?;
         Ok(Engine {
             queue: self.queue,
             mqtt,
+            source,
             flows: Arc::new(Flows::new(flows)),
             http: self.http,
             admin: self.admin,
@@ -185,10 +184,136 @@ impl EngineBuilder {
     }
 }
 
+/// Where an engine's flows come from, kept so that a reload reads them again.
+struct FlowSource {
+    library: Library,
+    paths: Vec<PathBuf>,
+    sources: Vec<(String, String)>,
+}
+
+impl FlowSource {
+    /// Load and validate every flow; every problem of every file is reported at once.
+    fn load(&self) -> Result<Vec<LoadedFlow>, EngineError> {
+        let mut flows = self.library.load_paths(&self.paths)?;
+        flows.extend(self.library.load_strs(&self.sources)?);
+        let mut seen = std::collections::HashSet::new();
+        for f in &flows {
+            if !seen.insert(f.id.clone()) {
+                return Err(EngineError::Config(format!("duplicate flow id `{}`", f.id)));
+            }
+        }
+        Ok(flows)
+    }
+}
+
+/// What changed in a reload.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReloadReport {
+    /// The flows now loaded.
+    pub flows: Vec<String>,
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Waiting, delayed and parked items of removed flows, ended with the outcome "cleared
+    /// with its flow".
+    pub cleared: usize,
+}
+
+/// The running parts a reload swaps: the flows, the webhook routes, the trigger tasks.
+struct Reloader {
+    source: FlowSource,
+    flows: Arc<Flows>,
+    queue: Arc<dyn WorkQueue>,
+    routes: weir_triggers::webhook::Routes,
+    mqtt: Arc<weir_nodes::mqtt::MqttHub>,
+    intake: Intake,
+    tracker: TaskTracker,
+    stop: CancellationToken,
+    /// The token of the trigger tasks now running; held while reloading, so reloads take
+    /// turns.
+    triggers: tokio::sync::Mutex<CancellationToken>,
+}
+
+impl Reloader {
+    /// Start cron and MQTT for the flows in force, under `token`.
+    fn spawn_triggers(&self, token: &CancellationToken) -> Result<(), EngineError> {
+        let needs_mqtt = self.flows.all().iter().any(|f| {
+            f.flow
+                .triggers()
+                .any(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Mqtt(_)))
+        });
+        if needs_mqtt {
+            // Every broker is resolved before anything starts: a bad one starts nothing.
+            weir_triggers::mqtt::spawn_all(
+                self.queue.clone(),
+                &self.flows,
+                &self.mqtt,
+                self.intake.clone(),
+                &self.tracker,
+                token.clone(),
+            )
+            .map_err(EngineError::Config)?;
+        }
+        weir_triggers::cron::spawn_all(
+            self.queue.clone(),
+            &self.flows,
+            &self.tracker,
+            token.clone(),
+        );
+        Ok(())
+    }
+
+    async fn reload(&self) -> Result<ReloadReport, EngineError> {
+        // An invalid flow set is refused whole, before anything changes.
+        let next = self.source.load()?;
+        let mut running = self.triggers.lock().await;
+        let before: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
+        let removed = self.flows.replace(next);
+        self.routes.rebuild(&self.flows);
+        running.cancel();
+        let token = self.stop.child_token();
+        self.spawn_triggers(&token)?;
+        *running = token;
+        let flows: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
+        let added = flows
+            .iter()
+            .filter(|f| !before.contains(f))
+            .cloned()
+            .collect();
+        let mut cleared = 0;
+        for f in &removed {
+            let n = self.queue.clear_flow(f).await?;
+            if n > 0 {
+                tracing::warn!(flow = %f, items = n, "flow removed: its waiting, delayed and parked items were cleared");
+            }
+            cleared += n;
+        }
+        let report = ReloadReport {
+            flows,
+            added,
+            removed,
+            cleared,
+        };
+        tracing::info!(?report, "flows reloaded");
+        Ok(report)
+    }
+}
+
+#[async_trait::async_trait]
+impl admin::Reload for Reloader {
+    async fn reload(&self) -> Result<serde_json::Value, Vec<String>> {
+        match Reloader::reload(self).await {
+            Ok(r) => Ok(serde_json::to_value(r).unwrap_or_default()),
+            Err(EngineError::Flows(d)) => Err(d.0.iter().map(|d| d.to_string()).collect()),
+            Err(e) => Err(vec![e.to_string()]),
+        }
+    }
+}
+
 /// A configured engine, ready to start.
 pub struct Engine {
     queue: QueueChoice,
     mqtt: Arc<weir_nodes::mqtt::MqttHub>,
+    source: FlowSource,
     flows: Arc<Flows>,
     http: SocketAddr,
     admin: Option<SocketAddr>,
@@ -204,6 +329,7 @@ pub struct RunningEngine {
     /// Where the admin API listens (the same as `addr` unless it was given its own).
     pub admin_addr: SocketAddr,
     pub queue: Arc<dyn WorkQueue>,
+    reloader: Arc<Reloader>,
     stop: CancellationToken,
     intake: Intake,
     tracker: TaskTracker,
@@ -266,23 +392,21 @@ impl Engine {
         let stop = CancellationToken::new();
         let intake = Intake::open();
         let tracker = TaskTracker::new();
-        let needs_mqtt = self.flows.all().iter().any(|f| {
-            f.flow
-                .triggers()
-                .any(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Mqtt(_)))
+        let (hooks, routes) =
+            weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone());
+        let triggers = stop.child_token();
+        let reloader = Arc::new(Reloader {
+            source: self.source,
+            flows: self.flows.clone(),
+            queue: queue.clone(),
+            routes,
+            mqtt: self.mqtt.clone(),
+            intake: intake.clone(),
+            tracker: tracker.clone(),
+            stop: stop.clone(),
+            triggers: tokio::sync::Mutex::new(triggers.clone()),
         });
-        if needs_mqtt {
-            // Every broker is resolved before anything starts: a bad one starts nothing.
-            weir_triggers::mqtt::spawn_all(
-                queue.clone(),
-                &self.flows,
-                &self.mqtt,
-                intake.clone(),
-                &tracker,
-                stop.clone(),
-            )
-            .map_err(EngineError::Config)?;
-        }
+        reloader.spawn_triggers(&triggers)?;
         let executor = Executor::new(
             queue.clone(),
             self.flows.clone(),
@@ -291,9 +415,12 @@ impl Engine {
         );
         let ex_stop = stop.clone();
         tracker.spawn(async move { executor.run(ex_stop).await });
-        weir_triggers::cron::spawn_all(queue.clone(), &self.flows, &tracker, stop.clone());
-        let hooks = weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone());
-        let admin = admin::router(queue.clone(), self.flows.clone(), self.admin_token.clone());
+        let admin = admin::router(
+            queue.clone(),
+            self.flows.clone(),
+            self.admin_token.clone(),
+            reloader.clone(),
+        );
         let http_done = CancellationToken::new();
         let http = TaskTracker::new();
         let serve = |listener: tokio::net::TcpListener, app: axum::Router, what: &'static str| {
@@ -321,6 +448,7 @@ impl Engine {
             addr,
             admin_addr,
             queue,
+            reloader,
             stop,
             intake,
             tracker,
@@ -339,6 +467,13 @@ impl Engine {
 }
 
 impl RunningEngine {
+    /// Read the flows again (`POST /api/reload`, SIGHUP): an invalid set is refused with its
+    /// errors and the running one kept; a removed flow's waiting, delayed and parked items
+    /// are cleared with a recorded outcome.
+    pub async fn reload(&self) -> Result<ReloadReport, EngineError> {
+        self.reloader.reload().await
+    }
+
     /// Stop intake (webhooks answer 503), finish the waves in flight up to the grace period,
     /// stop the HTTP server.
     pub async fn shutdown(self) {

@@ -304,7 +304,25 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .http(http)
                 .exec_config(cfg)
                 .build()?;
-            engine.run(shutdown_signal()).await?;
+            let running = engine.start().await?;
+            let shutdown = shutdown_signal();
+            tokio::pin!(shutdown);
+            #[cfg(unix)]
+            let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+            loop {
+                #[cfg(unix)]
+                let reload = hup.recv();
+                #[cfg(not(unix))]
+                let reload = std::future::pending::<Option<()>>();
+                tokio::select! {
+                    _ = &mut shutdown => break,
+                    _ = reload => match running.reload().await {
+                        Ok(r) => tracing::info!(flows = ?r.flows, added = ?r.added, removed = ?r.removed, cleared = r.cleared, "SIGHUP: flows reloaded"),
+                        Err(e) => tracing::error!("SIGHUP: the flows were not reloaded; the running ones stay:\n{e}"),
+                    },
+                }
+            }
+            running.shutdown().await;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::RunFlow {
