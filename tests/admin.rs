@@ -88,7 +88,7 @@ async fn with_a_token_the_api_and_metrics_need_it_and_health_stays_open_and_metr
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     };
     for want in [
-        r#"weir_events_total{trigger="webhook"}"#,
+        r#"weir_events_total{trigger="webhook",flow="f"}"#,
         r#"weir_items_ended_total{flow="f",end="ack"}"#,
         r#"weir_node_calls_total{kind="log"}"#,
         r#"weir_wave_seconds_bucket{flow="f",le="#,

@@ -71,7 +71,8 @@ async fn journal(
         {
             Ok(journaled) => {
                 if journaled {
-                    metrics::counter!("weir_events_total", "trigger" => "cron").increment(1);
+                    metrics::counter!("weir_events_total", "trigger" => "cron", "flow" => flow.to_string())
+                        .increment(1);
                 }
                 return;
             }

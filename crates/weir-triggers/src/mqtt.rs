@@ -190,8 +190,10 @@ async fn journal(
             }
             match queue.add(items.clone()).await {
                 Ok(()) => {
-                    metrics::counter!("weir_events_total", "trigger" => "mqtt")
-                        .increment(batch.len() as u64);
+                    for r in &routes {
+                        metrics::counter!("weir_events_total", "trigger" => "mqtt", "flow" => r.flow.clone())
+                            .increment(batch.len() as u64);
+                    }
                     break;
                 }
                 Err(e) => {

@@ -154,7 +154,8 @@ async fn handle(
     };
     let id = match added {
         Ok(id) => {
-            metrics::counter!("weir_events_total", "trigger" => "webhook").increment(1);
+            metrics::counter!("weir_events_total", "trigger" => "webhook", "flow" => hook.flow.clone())
+                .increment(1);
             id
         }
         Err(QueueError::Full(n)) => {

@@ -33,7 +33,7 @@ pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
         "weir_events_total",
-        "Events journaled, by trigger (webhook, mqtt, cron)"
+        "Events journaled, by trigger (webhook, mqtt, cron) and flow"
     );
     describe_counter!(
         "weir_items_ended_total",
