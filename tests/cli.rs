@@ -205,3 +205,71 @@ async fn weir_backup_copies_the_queue_while_the_engine_runs() {
     assert!(String::from_utf8_lossy(&again.stderr).contains("exists already"));
     e.stop(Duration::from_secs(10)).await;
 }
+
+#[tokio::test]
+async fn a_config_file_sits_below_the_environment_and_the_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let flows = dir.path().join("flows");
+    std::fs::create_dir(&flows).unwrap();
+    std::fs::write(
+        flows.join("echo.yaml"),
+        "nodes:\n  h: { type: webhook, path: echo, respond: wave, to: [r] }\n  r: { type: http-response, status: 201 }\n",
+    )
+    .unwrap();
+    let (file_port, env_port) = (free_port(), free_port());
+    let conf = dir.path().join("weir.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "flows = \"{}\"\nqueue = \"sqlite:{}/queue.db\"\nhttp = \"127.0.0.1:{file_port}\"\ngrace = 5\nretry_initial = \"2s\"\n\n[brokers]\ncloud = \"mqtt://127.0.0.1:1\"\n",
+            flows.display(),
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let up = |port: u16| async move {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(r) = reqwest::Client::new()
+                .post(format!("http://127.0.0.1:{port}/hooks/echo"))
+                .json(&serde_json::json!(1))
+                .send()
+                .await
+            {
+                return r.status().as_u16();
+            }
+            assert!(Instant::now() < deadline, "nothing on port {port}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    // The file alone: its address, its flows, its queue.
+    let mut a = Command::new(weir_testkit::weir_bin())
+        .args(["run", "--config", &conf.display().to_string()])
+        .env_remove("WEIR_HTTP")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert_eq!(up(file_port).await, 201);
+    assert!(dir.path().join("queue.db").exists(), "the file's queue");
+    let _ = a.kill();
+    let _ = a.wait();
+    // The environment wins over the file.
+    let mut b = Command::new(weir_testkit::weir_bin())
+        .args(["run", "--config", &conf.display().to_string()])
+        .env("WEIR_HTTP", format!("127.0.0.1:{env_port}"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert_eq!(up(env_port).await, 201);
+    let _ = b.kill();
+    let _ = b.wait();
+    // A key that does not exist is an error that names it.
+    std::fs::write(&conf, "queue = \"memory\"\nhtpp = \"127.0.0.1:1\"\n").unwrap();
+    let bad = Command::new(weir_testkit::weir_bin())
+        .args(["run", "--config", &conf.display().to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("weir.toml") && err.contains("htpp"), "{err}");
+}

@@ -71,6 +71,10 @@ enum Cmd {
         /// as expired.
         #[arg(long, default_value = "24h", value_parser = duration)]
         max_age: std::time::Duration,
+        /// A TOML file with any of these settings (keys as the flags, with `_`; brokers in a
+        /// `[brokers]` table). Precedence: defaults < file < environment < flags.
+        #[arg(long, env = "WEIR_CONFIG")]
+        config: Option<PathBuf>,
     },
     /// Check flows; exit 1 with `file:line:column: message` for every problem.
     Validate {
@@ -239,7 +243,11 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -247,7 +255,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(cli)) {
+    match rt.block_on(run(cli, matches.subcommand_matches("run"))) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -256,7 +264,41 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+/// `weir.toml`: the settings of `weir run`, below the environment and the flags.
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    flows: Option<PathBuf>,
+    queue: Option<String>,
+    mqtt: Option<String>,
+    http: Option<SocketAddr>,
+    admin: Option<SocketAddr>,
+    grace: Option<u64>,
+    consumer: Option<String>,
+    reclaim_after: Option<u64>,
+    retry_initial: Option<String>,
+    retry_max: Option<String>,
+    max_age: Option<String>,
+    /// Named brokers: `cloud = "mqtts://…"`.
+    #[serde(default)]
+    brokers: std::collections::BTreeMap<String, String>,
+}
+
+impl FileConfig {
+    fn read(path: &std::path::Path) -> anyhow::Result<FileConfig> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+}
+
+/// Whether a `weir run` setting came from its default (so that the file may set it).
+fn defaulted(m: Option<&clap::ArgMatches>, id: &str) -> bool {
+    m.and_then(|m| m.value_source(id))
+        .is_none_or(|s| s == clap::parser::ValueSource::DefaultValue)
+}
+
+async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result<ExitCode> {
     match cli.cmd {
         Cmd::Run {
             flows,
@@ -271,7 +313,49 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             retry_initial,
             retry_max,
             max_age,
+            config,
         } => {
+            let file = match &config {
+                Some(p) => FileConfig::read(p)?,
+                None => FileConfig::default(),
+            };
+            let m = run_matches;
+            let pick = |id: &str| defaulted(m, id);
+            let flows = file.flows.filter(|_| pick("flows")).unwrap_or(flows);
+            let queue = file.queue.filter(|_| pick("queue")).unwrap_or(queue);
+            let mqtt = file.mqtt.filter(|_| pick("mqtt")).unwrap_or(mqtt);
+            let http = file.http.filter(|_| pick("http")).unwrap_or(http);
+            let admin = admin.or(file.admin);
+            let grace = file.grace.filter(|_| pick("grace")).unwrap_or(grace);
+            let consumer = consumer.or(file.consumer);
+            let reclaim_after = file
+                .reclaim_after
+                .filter(|_| pick("reclaim_after"))
+                .unwrap_or(reclaim_after);
+            let from_file = |v: Option<String>,
+                             id: &str,
+                             flag: std::time::Duration|
+             -> anyhow::Result<std::time::Duration> {
+                match v.filter(|_| pick(id)) {
+                    Some(s) => {
+                        duration(&s).map_err(|e| anyhow::anyhow!("{id} in the config file: {e}"))
+                    }
+                    None => Ok(flag),
+                }
+            };
+            let retry_initial = from_file(file.retry_initial, "retry_initial", retry_initial)?;
+            let retry_max = from_file(file.retry_max, "retry_max", retry_max)?;
+            let max_age = from_file(file.max_age, "max_age", max_age)?;
+            let mut mqtt_brokers = mqtt_brokers;
+            for (name, url) in &file.brokers {
+                // A flag naming the same broker wins.
+                if !mqtt_brokers
+                    .iter()
+                    .any(|b| b.split_once('=').is_some_and(|(n, _)| n == name))
+                {
+                    mqtt_brokers.push(format!("{name}={url}"));
+                }
+            }
             if retry_initial.is_zero() || retry_max < retry_initial {
                 anyhow::bail!("--retry-initial must be above 0 and at most --retry-max");
             }
