@@ -186,3 +186,87 @@ async fn a_delayed_item_is_listed_with_its_due_time_and_cancelled_by_hand_never_
     assert_eq!(item["outcome"], "cancelled by hand", "{item}");
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcomes_dead_letters_and_runs_are_pruned_past_the_retention() {
+    let flow = r#"
+id: short
+nodes:
+  in: { type: webhook, path: in, to: [check] }
+  by_hand: { type: manual, to: [check] }
+  check:
+    type: function
+    script: |
+      if msg.payload == "bad" { throw "bad"; }
+      msg
+"#;
+    let mut exec = weir_testkit::test_exec();
+    exec.retention = Duration::from_millis(300);
+    exec.prune_every = Duration::from_millis(100);
+    let data = tempfile::tempdir().unwrap();
+    let e = weir::Engine::builder()
+        .queue_url(format!("sqlite:{}/queue.db", data.path().display()))
+        .exec_config(exec)
+        .http("127.0.0.1:0".parse().unwrap())
+        .flow_str("short.yaml", flow)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let base = format!("http://{}", e.admin_addr);
+    let ok: Value = post_json(&e, "in", json!("fine"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    post_json(&e, "in", json!("bad")).await;
+    let run: Value = reqwest::Client::new()
+        .post(format!("{base}/api/flows/short/runs"))
+        .json(&json!("fine"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = ok["id"].as_str().unwrap().to_string();
+    let run = run["run_id"].as_str().unwrap().to_string();
+    wait_for_dead_letters(&e, 1, Duration::from_secs(5)).await;
+    // Kept while young, gone once past the retention.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let item = reqwest::get(format!("{base}/api/items/{id}"))
+            .await
+            .unwrap()
+            .status();
+        let dead = get_json(&e, "/api/dead-letters").await;
+        let runs = reqwest::get(format!("{base}/api/runs/{run}"))
+            .await
+            .unwrap()
+            .status();
+        if item == 404 && dead == json!([]) && runs == 404 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pruned: item {item}, dead {dead}, run {runs}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let metrics = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"weir_pruned_total{what="outcomes"}"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"weir_pruned_total{what="dead_letters"}"#),
+        "{metrics}"
+    );
+    e.shutdown().await;
+}

@@ -44,6 +44,11 @@ pub struct ExecConfig {
     pub retry_cap: Duration,
     /// How long shutdown waits for waves in flight.
     pub shutdown_grace: Duration,
+    /// Outcomes, dead letters and run records older than this are pruned (with a count in
+    /// the metrics and the log).
+    pub retention: Duration,
+    /// How often to prune past the retention (the first time a minute after start at most).
+    pub prune_every: Duration,
 }
 
 impl Default for ExecConfig {
@@ -61,6 +66,8 @@ impl Default for ExecConfig {
             retry_base: Duration::from_secs(1),
             retry_cap: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(30),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            prune_every: Duration::from_secs(600),
         }
     }
 }
@@ -192,6 +199,10 @@ impl Executor {
         let mut dispatchers: HashMap<String, mpsc::UnboundedSender<Job>> = HashMap::new();
         let mut failures: u32 = 0;
         let mut last_reclaim = tokio::time::Instant::now();
+        // The first prune comes a minute after start (sooner if pruning is more frequent).
+        let every = self.cfg.prune_every;
+        let mut last_prune =
+            tokio::time::Instant::now() - every + every.min(Duration::from_secs(60));
         // Items a previous run under this consumer name left in flight are taken back at
         // once; any other engine's only after `reclaim_after`.
         match self.queue.recover(&self.cfg.consumer).await {
@@ -224,6 +235,10 @@ impl Executor {
                             "took back items idle in flight (a stalled or dead engine)"
                         );
                     }
+                }
+                if last_prune.elapsed() >= every {
+                    last_prune = tokio::time::Instant::now();
+                    self.prune().await;
                 }
                 let free = in_flight.available_permits().min(self.cfg.claim_batch);
                 if free == 0 {
@@ -286,6 +301,30 @@ impl Executor {
             .is_err()
         {
             tracing::warn!("waves still running at the end of the shutdown grace period; they will be redelivered");
+        }
+    }
+
+    /// Retention: drop what ended longer ago than `retention`, and say how much.
+    pub async fn prune(&self) {
+        let before = now_ms() - self.cfg.retention.as_millis() as i64;
+        match self.queue.prune(before).await {
+            Ok(p) => {
+                for (what, n) in [
+                    ("outcomes", p.outcomes),
+                    ("dead_letters", p.dead),
+                    ("runs", p.runs),
+                ] {
+                    if n > 0 {
+                        metrics::counter!("weir_pruned_total", "what" => what).increment(n as u64);
+                    }
+                }
+                if p != Default::default() {
+                    tracing::info!(outcomes = p.outcomes, dead_letters = p.dead, runs = p.runs, retention = ?self.cfg.retention, "pruned past the retention");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not prune past the retention; trying again later")
+            }
         }
     }
 

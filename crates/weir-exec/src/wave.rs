@@ -410,7 +410,7 @@ impl Executor {
 }
 
 /// Runs (DESIGN §8) keep their record in the flow's node memory under this pseudo-node.
-pub const RUNS: &str = "$runs";
+pub const RUNS: &str = weir_queue::RUNS_NODE;
 
 /// A run's record: what `GET /api/runs/<id>` answers.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -422,6 +422,9 @@ pub struct RunRecord {
     pub error: Option<String>,
     /// Items of the run not yet ended (the run is over at 0).
     pub pending: i64,
+    /// When the record was last written (ms): retention prunes by it.
+    #[serde(default)]
+    pub updated_at: i64,
 }
 
 impl Executor {
@@ -468,6 +471,7 @@ impl Executor {
             all.extend(failed);
             rec.error = Some(all.join("; "));
         }
+        rec.updated_at = now_ms();
         rec.status = match (rec.pending, &rec.error) {
             (p, _) if p > 0 => "running",
             (_, Some(_)) => "failed",

@@ -32,7 +32,7 @@ macro_rules! conformance_tests {
             dead_letters_are_listed_replayed_and_discarded, done_markers_live_until_commit,
             idempotency_key_returns_first_id, ticks_are_journaled_once, cancel_by_hand,
             replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work,
-            recover_frees_only_this_consumers_items
+            recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -532,5 +532,48 @@ pub async fn recover_frees_only_this_consumers_items(q: Q, _fp: Failpoints) {
             .unwrap(),
         Committed::Done,
         "another engine's item was left alone"
+    );
+}
+
+pub async fn prune_removes_only_what_ended_long_ago(q: Q, _fp: Failpoints) {
+    let items: Vec<WorkItem> = (0..5).map(|n| item("f", n)).collect();
+    let ids: Vec<_> = items.iter().map(|i| i.id).collect();
+    q.add(items).await.unwrap();
+    let c = q.claim("a", 3, Duration::ZERO).await.unwrap();
+    q.commit(&c[0], WaveEffects::ending(End::Ack))
+        .await
+        .unwrap();
+    q.commit(&c[1], WaveEffects::ending(End::DeadLetter("x".into())))
+        .await
+        .unwrap();
+    // c[2] stays in flight, ids[3] and ids[4] stay waiting.
+    assert_eq!(
+        q.prune(now_ms() - 60_000).await.unwrap(),
+        Default::default(),
+        "nothing that old"
+    );
+    let p = q.prune(now_ms() + 1).await.unwrap();
+    assert_eq!((p.outcomes, p.dead), (1, 1), "{p:?}");
+    assert!(
+        q.get(ids[0]).await.unwrap().is_none(),
+        "the outcome is gone"
+    );
+    assert!(
+        q.get(ids[1]).await.unwrap().is_none(),
+        "the dead letter is gone"
+    );
+    assert_eq!(q.stats().await.unwrap().dead, 0);
+    assert_eq!(
+        q.get(ids[2]).await.unwrap().unwrap().state.name(),
+        "in_flight"
+    );
+    assert_eq!(
+        q.get(ids[3]).await.unwrap().unwrap().state.name(),
+        "waiting"
+    );
+    assert_eq!(
+        q.claim("a", 10, Duration::ZERO).await.unwrap().len(),
+        2,
+        "live items untouched"
     );
 }

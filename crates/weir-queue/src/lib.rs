@@ -168,6 +168,19 @@ impl WorkItem {
     }
 }
 
+/// What a prune removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pruned {
+    /// Finished items (their outcomes).
+    pub outcomes: usize,
+    pub dead: usize,
+    /// Run records (node state of the `$runs` pseudo-node).
+    pub runs: usize,
+}
+
+/// The pseudo-node whose memory holds a flow's run records (`updated_at` in each).
+pub const RUNS_NODE: &str = "$runs";
+
 /// Where an item stands.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
@@ -233,7 +246,8 @@ pub struct ListFilter {
 ///   ready, oldest first; `unpark_one` makes exactly the oldest ready and hands it out with
 ///   `stepped = true`, so it runs although the flow is paused.
 /// - **Done markers** survive until the commit that ends their item, which deletes them.
-/// - **Dead letters** stay listable with their reason until replayed or discarded by hand.
+/// - **Dead letters** stay listable with their reason until replayed or discarded by hand,
+///   or pruned past the retention (`prune`).
 /// - **Idempotency.** `add_idempotent` with a key seen before adds nothing and returns the
 ///   first item's id.
 #[async_trait::async_trait]
@@ -270,6 +284,14 @@ pub trait WorkQueue: StateRead + Send + Sync {
 
     /// Make in-flight items idle longer than `min_idle` claimable again; returns how many.
     async fn reclaim_stale(&self, min_idle: Duration) -> Result<usize, QueueError>;
+
+    /// Retention: remove finished items and dead letters that ended before `before` (ms),
+    /// and run records last written before it. Nothing live (waiting, in flight, delayed,
+    /// parked) is ever pruned. The default prunes nothing.
+    async fn prune(&self, before: i64) -> Result<Pruned, QueueError> {
+        let _ = before;
+        Ok(Pruned::default())
+    }
 
     /// At start: make claimable at once what an earlier run of this same `consumer` left in
     /// flight (it died with them). Only sound when no other live engine uses that name.

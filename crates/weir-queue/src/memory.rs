@@ -452,6 +452,50 @@ impl WorkQueue for MemoryQueue {
         Ok(n)
     }
 
+    async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
+        let mut g = self.lock();
+        let mut p = crate::Pruned::default();
+        let old: Vec<(Ulid, bool)> = g
+            .entries
+            .iter()
+            .filter_map(|(id, e)| match e.st {
+                St::Finished { at, .. } if at < before => Some((*id, false)),
+                St::Dead { at, .. } if at < before => Some((*id, true)),
+                _ => None,
+            })
+            .collect();
+        for (id, dead) in old {
+            g.unindex(id);
+            g.entries.remove(&id);
+            if dead {
+                p.dead += 1;
+            } else {
+                p.outcomes += 1;
+            }
+        }
+        let Inner {
+            finished, entries, ..
+        } = &mut *g;
+        finished.retain(|id| entries.contains_key(id));
+        let runs: Vec<StateKey> = g
+            .state
+            .iter()
+            .filter(|(k, v)| {
+                k.node == crate::RUNS_NODE
+                    && v.value
+                        .as_ref()
+                        .and_then(|r| r["updated_at"].as_i64())
+                        .is_some_and(|t| t < before)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in runs {
+            g.state.remove(&k);
+            p.runs += 1;
+        }
+        Ok(p)
+    }
+
     async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
         let mut n = 0;
         {

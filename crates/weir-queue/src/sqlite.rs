@@ -939,6 +939,27 @@ impl WorkQueue for SqliteQueue {
         .await
     }
 
+    async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
+        self.write(move |c, _| {
+            let outcomes = c.execute(
+                "DELETE FROM items WHERE st = 'finished' AND at < ?1",
+                [before],
+            )?;
+            let dead = c.execute("DELETE FROM items WHERE st = 'dead' AND at < ?1", [before])?;
+            let runs = c.execute(
+                "DELETE FROM state WHERE node = ?1
+                   AND json_extract(value, '$.updated_at') < ?2",
+                params![crate::RUNS_NODE, before],
+            )?;
+            Ok(crate::Pruned {
+                outcomes,
+                dead,
+                runs,
+            })
+        })
+        .await
+    }
+
     async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
         self.write(move |c, w| {
             make_ready(

@@ -71,6 +71,10 @@ enum Cmd {
         /// as expired.
         #[arg(long, default_value = "24h", value_parser = duration)]
         max_age: std::time::Duration,
+        /// Outcomes, dead letters and run records are kept this long, then pruned (with a
+        /// count in the metrics).
+        #[arg(long, default_value = "7d", value_parser = duration)]
+        retention: std::time::Duration,
         /// A TOML file with any of these settings (keys as the flags, with `_`; brokers in a
         /// `[brokers]` table). Precedence: defaults < file < environment < flags.
         #[arg(long, env = "WEIR_CONFIG")]
@@ -279,6 +283,7 @@ struct FileConfig {
     retry_initial: Option<String>,
     retry_max: Option<String>,
     max_age: Option<String>,
+    retention: Option<String>,
     /// Named brokers: `cloud = "mqtts://…"`.
     #[serde(default)]
     brokers: std::collections::BTreeMap<String, String>,
@@ -313,6 +318,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
             retry_initial,
             retry_max,
             max_age,
+            retention,
             config,
         } => {
             let file = match &config {
@@ -346,6 +352,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
             let retry_initial = from_file(file.retry_initial, "retry_initial", retry_initial)?;
             let retry_max = from_file(file.retry_max, "retry_max", retry_max)?;
             let max_age = from_file(file.max_age, "max_age", max_age)?;
+            let retention = from_file(file.retention, "retention", retention)?;
             let mut mqtt_brokers = mqtt_brokers;
             for (name, url) in &file.brokers {
                 // A flag naming the same broker wins.
@@ -365,6 +372,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
                 retry_base: retry_initial,
                 retry_cap: retry_max,
                 max_age,
+                retention,
                 ..Default::default()
             };
             if let Some(c) = consumer {

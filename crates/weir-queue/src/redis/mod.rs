@@ -179,6 +179,36 @@ bury(ARGV[3], ARGV[4])
 return 1
 "#;
 
+const PRUNE: &str = r#"
+local before = tonumber(ARGV[3])
+local limit = tonumber(ARGV[4])
+local outcomes, dead = 0, 0
+-- Finished records, oldest first.
+for _ = 1, limit do
+  local id = redis.call('LINDEX', P .. 'finished', 0)
+  if not id then break end
+  local st, at = unpack(redis.call('HMGET', ik(id), 'st', 'at'))
+  if st == 'finished' and tonumber(at or '0') >= before then break end
+  redis.call('LPOP', P .. 'finished')
+  if st == 'finished' then
+    redis.call('DEL', ik(id))
+    redis.call('ZREM', P .. 'index', id)
+    outcomes = outcomes + 1
+  end
+end
+-- Dead letters whose stream entry is older than the cutoff.
+for _, e in ipairs(redis.call('XRANGE', DEAD, '-', '(' .. before .. '-0', 'COUNT', limit)) do
+  local id = e[2][2]
+  redis.call('XDEL', DEAD, e[1])
+  if redis.call('HGET', ik(id), 'st') == 'dead' then
+    redis.call('DEL', ik(id))
+    redis.call('ZREM', P .. 'index', id)
+    dead = dead + 1
+  end
+end
+return {outcomes, dead}
+"#;
+
 const RECOVER: &str = r#"
 local n = 0
 local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
@@ -307,6 +337,7 @@ struct Scripts {
     reclaim: Script,
     recover: Script,
     bury: Script,
+    prune: Script,
     move_due: Script,
     unpark: Script,
     unpark_one: Script,
@@ -332,6 +363,7 @@ impl Scripts {
             reclaim: s(RECLAIM),
             recover: s(RECOVER),
             bury: s(BURY),
+            prune: s(PRUNE),
             move_due: s(MOVE_DUE),
             unpark: s(UNPARK),
             unpark_one: s(UNPARK_ONE),
@@ -933,6 +965,21 @@ impl WorkQueue for RedisQueue {
             }
         }
         Ok(n)
+    }
+
+    /// Finished items and dead letters; run records (hashes per flow) are left to the
+    /// server's memory policy for now.
+    async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
+        let mut p = crate::Pruned::default();
+        let before = before.to_string();
+        for shard in self.prefixes() {
+            let (o, d): (usize, usize) = self
+                .run(&self.scripts.prune, &shard, &[&before, &10_000usize])
+                .await?;
+            p.outcomes += o;
+            p.dead += d;
+        }
+        Ok(p)
     }
 
     async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
