@@ -270,3 +270,58 @@ nodes:
     );
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() {
+    let sink = Sink::start().await;
+    sink.answer_after(300);
+    let flow = format!(
+        "id: slow\nnodes:\n  in: {{ type: webhook, path: in, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
+        sink.url("got")
+    );
+    let mut exec = weir_testkit::test_exec();
+    exec.max_in_flight = 1;
+    let data = tempfile::tempdir().unwrap();
+    let e = weir::Engine::builder()
+        .queue_url(format!(
+            "sqlite:{}/queue.db?max_ready=3",
+            data.path().display()
+        ))
+        .exec_config(exec)
+        .http("127.0.0.1:0".parse().unwrap())
+        .flow_str("slow.yaml", flow)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let mut accepted = Vec::new();
+    let mut refused = 0;
+    for n in 0..10 {
+        let r = post_json(&e, "in", json!({ "n": n })).await;
+        match r.status().as_u16() {
+            202 => accepted.push(n),
+            429 => {
+                assert_eq!(r.headers()["retry-after"], "1");
+                refused += 1;
+            }
+            other => panic!("{other}"),
+        }
+    }
+    assert!(refused > 0, "past three ready items the queue is full");
+    assert!(accepted.len() >= 3, "{accepted:?}");
+    wait_for("every accepted event", Duration::from_secs(20), || {
+        sink.count() == accepted.len()
+    })
+    .await;
+    let got: Vec<u64> = sink
+        .bodies()
+        .iter()
+        .map(|b| b["n"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        got, accepted,
+        "what was accepted arrives, what was refused was never journaled"
+    );
+    e.shutdown().await;
+}

@@ -340,18 +340,21 @@ pub trait WorkQueue: StateRead + Send + Sync {
 
 /// The queue a URL names: `memory`, `sqlite:PATH` (or a path ending in `.db`), or
 /// `redis://HOST:PORT[/DB]` (`rediss://` for TLS), optionally with `?ns=NAME&shards=N`.
+/// Every backend takes `?max_ready=N`: past that many ready items, `add` answers `Full`
+/// (webhooks 429, MQTT acks withheld). Default 100,000.
 pub async fn open(
     url: &str,
     failpoints: Failpoints,
 ) -> Result<std::sync::Arc<dyn WorkQueue>, QueueError> {
     use std::sync::Arc;
     let url = url.trim();
+    let (url, max_ready) = take_max_ready(url)?;
     if url == "memory" {
-        return Ok(Arc::new(MemoryQueue::with_limits(100_000, failpoints)));
+        return Ok(Arc::new(MemoryQueue::with_limits(max_ready, failpoints)));
     }
     if let Some(path) = url
         .strip_prefix("sqlite:")
-        .or_else(|| url.ends_with(".db").then_some(url))
+        .or_else(|| url.ends_with(".db").then_some(url.as_str()))
     {
         let path = path.strip_prefix("//").unwrap_or(path);
         if path.is_empty() {
@@ -359,11 +362,17 @@ pub async fn open(
                 "`sqlite:` needs a path, as in sqlite:weir-data/queue.db".into(),
             ));
         }
-        return Ok(Arc::new(SqliteQueue::open(path, failpoints)?));
+        return Ok(Arc::new(SqliteQueue::open_with_limit(
+            path, max_ready, failpoints,
+        )?));
     }
+    let url = url.as_str();
     if url.starts_with("redis://") || url.starts_with("rediss://") {
         let (base, query) = url.split_once('?').unwrap_or((url, ""));
-        let mut opts = RedisOptions::default();
+        let mut opts = RedisOptions {
+            max_ready,
+            ..RedisOptions::default()
+        };
         let mut rest = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
@@ -392,4 +401,28 @@ pub async fn open(
     Err(QueueError::Open(format!(
         "`{url}` names no queue backend: use memory, sqlite:PATH or redis://HOST:PORT"
     )))
+}
+
+/// Take `max_ready=N` out of a queue URL's query; the rest of the URL, and N.
+fn take_max_ready(url: &str) -> Result<(String, usize), QueueError> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_string(), 100_000));
+    };
+    let mut max = 100_000;
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("max_ready", v)) => {
+                max = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    QueueError::Open(format!("`max_ready={v}` in {base}: a number above 0"))
+                })?
+            }
+            _ => rest.push(pair),
+        }
+    }
+    Ok(if rest.is_empty() {
+        (base.to_string(), max)
+    } else {
+        (format!("{base}?{}", rest.join("&")), max)
+    })
 }

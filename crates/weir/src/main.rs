@@ -29,7 +29,8 @@ enum Cmd {
         #[arg(default_value = "flows")]
         flows: PathBuf,
         /// Queue backend: `sqlite:PATH` (durable, no server), `redis://HOST:PORT[/DB]`
-        /// (several engines share it; `?shards=N&ns=NAME`), or `memory` (lost on exit).
+        /// (several engines share it; `?shards=N&ns=NAME`), or `memory` (lost on exit); each
+        /// takes `?max_ready=N` (100000): past it webhooks answer 429.
         #[arg(long, env = "WEIR_QUEUE", default_value = weir::DEFAULT_QUEUE)]
         queue: String,
         /// The MQTT broker for mqtt-in and mqtt-out: `mqtt://[USER:PASSWORD@]HOST:PORT`
@@ -71,6 +72,9 @@ enum Cmd {
         /// as expired.
         #[arg(long, default_value = "24h", value_parser = duration)]
         max_age: std::time::Duration,
+        /// Items claimed and not yet committed, across all flows, at most.
+        #[arg(long, default_value_t = 512)]
+        max_in_flight: usize,
         /// Outcomes, dead letters and run records are kept this long, then pruned (with a
         /// count in the metrics).
         #[arg(long, default_value = "7d", value_parser = duration)]
@@ -284,6 +288,7 @@ struct FileConfig {
     retry_max: Option<String>,
     max_age: Option<String>,
     retention: Option<String>,
+    max_in_flight: Option<usize>,
     /// Named brokers: `cloud = "mqtts://…"`.
     #[serde(default)]
     brokers: std::collections::BTreeMap<String, String>,
@@ -319,6 +324,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
             retry_max,
             max_age,
             retention,
+            max_in_flight,
             config,
         } => {
             let file = match &config {
@@ -353,6 +359,11 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
             let retry_max = from_file(file.retry_max, "retry_max", retry_max)?;
             let max_age = from_file(file.max_age, "max_age", max_age)?;
             let retention = from_file(file.retention, "retention", retention)?;
+            let max_in_flight = file
+                .max_in_flight
+                .filter(|_| pick("max_in_flight"))
+                .unwrap_or(max_in_flight)
+                .max(1);
             let mut mqtt_brokers = mqtt_brokers;
             for (name, url) in &file.brokers {
                 // A flag naming the same broker wins.
@@ -373,6 +384,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
                 retry_cap: retry_max,
                 max_age,
                 retention,
+                max_in_flight,
                 ..Default::default()
             };
             if let Some(c) = consumer {
