@@ -165,7 +165,7 @@ impl RateLimit {
         let (hk, tk) = (format!("head/{key}"), format!("tail/{key}"));
         let mut head = int(cx.get(&hk).await?);
         let tail = int(cx.get(&tk).await?);
-        let wait = if head == tail {
+        let wait = if head >= tail {
             match self.limiter.check(&key) {
                 Ok(()) => return Ok(Emit::one(msg)),
                 Err(wait) => Some(wait),
@@ -186,7 +186,7 @@ impl RateLimit {
             );
             return Ok(Emit::none());
         }
-        if tail - head >= self.max_queue {
+        if tail.saturating_sub(head) >= self.max_queue {
             let oldest = held_key(&key, head);
             if let Some(m) = cx.get(&oldest).await? {
                 cx.dead_letter(
