@@ -58,11 +58,14 @@ pub async fn start_with(
         .expect("engine starts")
 }
 
+/// What a sink received: when, at which path, what.
+type Got = Arc<Mutex<Vec<(Instant, String, Value)>>>;
+
 /// An HTTP server that records every JSON body POSTed to it, with when it arrived.
 #[derive(Clone)]
 pub struct Sink {
     pub addr: SocketAddr,
-    got: Arc<Mutex<Vec<(Instant, Value)>>>,
+    got: Got,
     fail_with: Arc<Mutex<Vec<u16>>>,
     slow: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -108,12 +111,28 @@ impl Sink {
             .lock()
             .unwrap()
             .iter()
-            .map(|(_, v)| v.clone())
+            .map(|(_, _, v)| v.clone())
             .collect()
     }
 
     pub fn received(&self) -> Vec<(Instant, Value)> {
-        self.got.lock().unwrap().clone()
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(t, _, v)| (*t, v.clone()))
+            .collect()
+    }
+
+    /// What arrived at `path` (the part after the sink's address).
+    pub fn received_at(&self, path: &str) -> Vec<(Instant, Value)> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, p, _)| p == path)
+            .map(|(t, _, v)| (*t, v.clone()))
+            .collect()
     }
 
     pub fn count(&self) -> usize {
@@ -121,14 +140,11 @@ impl Sink {
     }
 }
 
-type SinkState = (
-    Arc<Mutex<Vec<(Instant, Value)>>>,
-    Arc<Mutex<Vec<u16>>>,
-    Arc<std::sync::atomic::AtomicU64>,
-);
+type SinkState = (Got, Arc<Mutex<Vec<u16>>>, Arc<std::sync::atomic::AtomicU64>);
 
 async fn record(
     State((got, fail, slow)): State<SinkState>,
+    axum::extract::Path(path): axum::extract::Path<String>,
     Json(body): Json<Value>,
 ) -> (axum::http::StatusCode, Json<Value>) {
     let ms = slow.load(std::sync::atomic::Ordering::Relaxed);
@@ -144,7 +160,7 @@ async fn record(
         }
     };
     if status == 200 {
-        got.lock().unwrap().push((Instant::now(), body));
+        got.lock().unwrap().push((Instant::now(), path, body));
     }
     (
         axum::http::StatusCode::from_u16(status).unwrap(),
@@ -253,7 +269,10 @@ impl WeirProcess {
             .args(["--queue", queue, "--http", &format!("127.0.0.1:{port}")])
             .args(["--grace", "5"])
             .args(extra)
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("WEIR_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()

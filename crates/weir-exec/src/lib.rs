@@ -36,7 +36,9 @@ pub struct ExecConfig {
     /// In-flight items idle this long are taken back (their engine died or stalled).
     pub reclaim_after: Duration,
     pub claim_batch: usize,
-    /// Items claimed and not yet committed, across all flows.
+    /// Items claimed and not yet committed, across all flows. Each claim counts a delivery,
+    /// so claiming far ahead of what can run would charge an engine that keeps crashing with
+    /// deliveries of items that never started (and dead-letter them at the ceiling).
     pub max_in_flight: usize,
     /// Transient failures retry until the item is this old.
     pub max_age: Duration,
@@ -61,7 +63,7 @@ impl Default for ExecConfig {
             wave_deadline: Duration::from_secs(60),
             reclaim_after: Duration::from_secs(120),
             claim_batch: 64,
-            max_in_flight: 512,
+            max_in_flight: 64,
             max_age: Duration::from_secs(24 * 3600),
             retry_base: Duration::from_secs(1),
             retry_cap: Duration::from_secs(300),

@@ -73,7 +73,7 @@ enum Cmd {
         #[arg(long, default_value = "24h", value_parser = duration)]
         max_age: std::time::Duration,
         /// Items claimed and not yet committed, across all flows, at most.
-        #[arg(long, default_value_t = 512)]
+        #[arg(long, default_value_t = 64)]
         max_in_flight: usize,
         /// Outcomes, dead letters and run records are kept this long, then pruned (with a
         /// count in the metrics).

@@ -210,24 +210,33 @@ return {outcomes, dead}
 "#;
 
 const RECOVER: &str = r#"
-local n = 0
+-- This consumer's own pending entries (an earlier run of it died holding them), oldest
+-- first: claimed again here, in place, so they keep their turn ahead of newer entries.
 local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
-if type(p) == 'table' and p.err then return 0 end
+if type(p) == 'table' and p.err then return {} end
+local out = {}
 for _, e in ipairs(p) do
   local eid = e[1]
   local r = redis.call('XRANGE', STREAM, eid, eid)[1]
-  redis.call('XACK', STREAM, G, eid)
-  redis.call('XDEL', STREAM, eid)
+  local st, entry, stepped, body
   if r then
+    st, entry, stepped, body = unpack(redis.call('HMGET', ik(r[2][2]), 'st', 'entry', 'stepped', 'body'))
+  end
+  if r and st == 'in_flight' and entry == eid then
     local id = r[2][2]
-    local st, entry = unpack(redis.call('HMGET', ik(id), 'st', 'entry'))
-    if st == 'in_flight' and entry == eid then
-      make_ready(id, false)
-      n = n + 1
-    end
+    local k = ik(id)
+    -- Reset the entry's idle time, so no other engine's reclaim takes it meanwhile.
+    redis.call('XCLAIM', STREAM, G, ARGV[3], 0, eid, 'JUSTID')
+    local d = redis.call('HINCRBY', k, 'deliveries', 1)
+    local lease = redis.call('INCR', P .. 'lease')
+    redis.call('HSET', k, 'since', NOW, 'lease', lease, 'consumer', ARGV[3])
+    out[#out + 1] = {id, d, lease, stepped or '0', body}
+  else
+    redis.call('XACK', STREAM, G, eid)
+    redis.call('XDEL', STREAM, eid)
   end
 end
-return n
+return out
 "#;
 
 const MOVE_DUE: &str = r#"
@@ -440,6 +449,8 @@ pub struct RedisQueue {
     opts: RedisOptions,
     scripts: Scripts,
     failpoints: Failpoints,
+    /// Items `recover` claimed again, handed out by the next claims first.
+    recovered: std::sync::Mutex<std::collections::VecDeque<Claimed>>,
     /// Something that must live as long as the queue (a test's own redis-server).
     _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
@@ -474,6 +485,7 @@ impl RedisQueue {
             opts,
             scripts,
             failpoints,
+            recovered: Default::default(),
             _keep: None,
         };
         q.check_persistence(url).await;
@@ -805,6 +817,13 @@ impl WorkQueue for RedisQueue {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Claimed>, QueueError> {
+        {
+            let mut back = self.recovered.lock().unwrap_or_else(|e| e.into_inner());
+            if !back.is_empty() {
+                let n = max.min(back.len());
+                return Ok(back.drain(..n).collect());
+            }
+        }
         // Claims poll (a script cannot block): quickly at first, then less often.
         let deadline = tokio::time::Instant::now() + wait;
         let mut pause = Duration::from_millis(2);
@@ -952,18 +971,41 @@ impl WorkQueue for RedisQueue {
     }
 
     async fn recover(&self, consumer: &str) -> Result<usize, QueueError> {
-        let mut n = 0;
+        // Everything pending for this consumer is taken in one pass (bounded per shard):
+        // claimed again in place, and handed out by the next claims before anything newer.
+        let mut back = Vec::new();
         for p in self.prefixes() {
-            for _ in 0..RECLAIM_ROUNDS {
-                let got: usize = self
-                    .run(&self.scripts.recover, &p, &[&consumer, &RECLAIM_BATCH])
-                    .await?;
-                n += got;
-                if got < RECLAIM_BATCH {
-                    break;
+            let rows: Vec<(String, u32, u64, String, String)> = self
+                .run(
+                    &self.scripts.recover,
+                    &p,
+                    &[&consumer, &(RECLAIM_BATCH * RECLAIM_ROUNDS)],
+                )
+                .await?;
+            for (id, deliveries, lease, stepped, body) in rows {
+                match serde_json::from_str::<WorkItem>(&body) {
+                    Ok(mut item) => {
+                        item.deliveries = deliveries;
+                        item.not_before = None;
+                        back.push(Claimed {
+                            item,
+                            lease,
+                            consumer: consumer.to_string(),
+                            stepped: stepped == "1",
+                        });
+                    }
+                    Err(e) => {
+                        let reason = format!("undecodable item: {e}");
+                        let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;
+                    }
                 }
             }
         }
+        let n = back.len();
+        self.recovered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(back);
         Ok(n)
     }
 
