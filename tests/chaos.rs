@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use weir_queue::testing::RedisServer;
-use weir_queue::WorkQueue as _;
 use weir_testkit::{Mosquitto, MqttPeer, Sink, WeirProcess};
 
 fn flows(sink: &Sink) -> tempfile::TempDir {
