@@ -219,6 +219,33 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// Run `src` as a script against `{}` and give the failure's reason.
+    fn fails_with(src: &str) -> String {
+        let e = engine();
+        let ast = e.compile(src).expect("compiles");
+        match eval(&e, &ast, &json!({})) {
+            Err(NodeError::Permanent(reason)) => reason,
+            other => panic!("{src}: expected a permanent failure, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_sandbox_limit_fails_the_message_and_says_which() {
+        assert!(fails_with("loop {}").contains("operations"));
+        let s = fails_with(r#"let s = "x"; loop { s += s; }"#);
+        assert!(s.to_lowercase().contains("string"), "{s}");
+        let a = fails_with("let a = []; loop { a += [1, 2, 3, 4, 5, 6, 7, 8]; a += a; }");
+        assert!(a.to_lowercase().contains("array"), "{a}");
+        let d = fails_with("fn f(n) { f(n + 1) } f(0)");
+        assert!(
+            d.to_lowercase().contains("stack") || d.contains("call"),
+            "{d}"
+        );
+        // No way out of the sandbox: there is no file, process or network function.
+        let f = fails_with(r#"open("/etc/passwd")"#);
+        assert!(f.contains("not found"), "{f}");
+    }
+
     #[test]
     fn templates_render_expressions() {
         let e = engine();
