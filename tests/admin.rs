@@ -61,6 +61,12 @@ async fn with_a_token_the_api_and_metrics_need_it_and_health_stays_open_and_metr
     );
     // Webhooks have their own auth (per flow); the admin token is not theirs.
     assert_eq!(post_json(&e, "in", json!(1)).await.status(), 202);
+    let nowhere = reqwest::Client::new()
+        .post(format!("http://{}/hooks/nowhere", e.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(nowhere.status(), 404);
     assert_eq!(
         status(format!("{base}/metrics"), None).await,
         401,
@@ -93,6 +99,7 @@ async fn with_a_token_the_api_and_metrics_need_it_and_health_stays_open_and_metr
         r#"weir_node_calls_total{kind="log"}"#,
         r#"weir_wave_seconds_bucket{flow="f",le="#,
         r#"weir_queue_items{state="ready"}"#,
+        r#"weir_webhook_refused_total{status="404"}"#,
         "# HELP weir_events_total",
     ] {
         assert!(text.contains(want), "/metrics has {want}:\n{text}");

@@ -216,6 +216,7 @@ impl Executor {
             }
             steps += 1;
             if steps > self.cfg.step_bound {
+                metrics::counter!("weir_bounds_hit_total", "bound" => "wave_steps").increment(1);
                 return Outcome::Commit(
                     WaveEffects::ending(End::DeadLetter(format!(
                         "the wave exceeded its step bound of {} node calls (a loop in the graph?)",

@@ -188,6 +188,8 @@ impl RateLimit {
         }
         if tail.saturating_sub(head) >= self.max_queue {
             let oldest = held_key(&key, head);
+            metrics::counter!("weir_bounds_hit_total", "bound" => "rate_limit_max_queue")
+                .increment(1);
             if let Some(m) = cx.get(&oldest).await? {
                 cx.dead_letter(
                     m,

@@ -96,7 +96,25 @@ fn error(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(json!({ "error": msg.into() }))).into_response()
 }
 
+/// Every webhook answer; a refused one is counted by its status (413 too large, 429 queue
+/// full, 401 unauthorized, 503 not journaled…), so a bound being hit shows in the metrics.
 async fn handle(
+    state: State<Hooks>,
+    path: Path<String>,
+    method: Method,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let r = accept(state, path, method, headers, body).await;
+    let status = r.status();
+    if status.is_client_error() || status.is_server_error() {
+        metrics::counter!("weir_webhook_refused_total", "status" => status.as_u16().to_string())
+            .increment(1);
+    }
+    r
+}
+
+async fn accept(
     State(s): State<Hooks>,
     Path(path): Path<String>,
     method: Method,
