@@ -325,3 +325,34 @@ async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() 
     );
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_flow_parks_up_to_its_bound_and_dead_letters_the_rest_with_the_reason() {
+    let flow = "id: held\nconcurrency: 1\nnodes:\n  in: { type: webhook, path: in, to: [l] }\n  l: { type: log }\n";
+    let mut exec = weir_testkit::test_exec();
+    exec.max_parked = 2;
+    let e = weir::Engine::builder()
+        .queue_url("memory")
+        .exec_config(exec)
+        .http("127.0.0.1:0".parse().unwrap())
+        .flow_str("held.yaml", flow)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    post_admin(&e, "/api/flows/held/pause").await;
+    for n in 0..4 {
+        assert_eq!(post_json(&e, "in", json!({ "n": n })).await.status(), 202);
+    }
+    let dead = wait_for_dead_letters(&e, 2, Duration::from_secs(10)).await;
+    for d in &dead {
+        let reason = d["reason"].as_str().unwrap();
+        assert!(
+            reason.contains("paused with 2 items parked already"),
+            "{reason}"
+        );
+    }
+    assert_eq!(get_json(&e, "/api/stats").await["parked"], 2);
+    e.shutdown().await;
+}

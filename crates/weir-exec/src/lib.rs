@@ -49,6 +49,9 @@ pub struct ExecConfig {
     /// Outcomes, dead letters and run records older than this are pruned (with a count in
     /// the metrics and the log).
     pub retention: Duration,
+    /// Items parked per paused flow at most; past it an item is dead-lettered with the
+    /// reason instead of parked (a pause forgotten for days must not grow without end).
+    pub max_parked: usize,
     /// How often to prune past the retention (the first time a minute after start at most).
     pub prune_every: Duration,
 }
@@ -70,6 +73,7 @@ impl Default for ExecConfig {
             shutdown_grace: Duration::from_secs(30),
             retention: Duration::from_secs(7 * 24 * 3600),
             prune_every: Duration::from_secs(600),
+            max_parked: 100_000,
         }
     }
 }

@@ -138,7 +138,22 @@ impl Executor {
         if !c.stepped {
             match self.queue.is_paused(&item.flow).await {
                 Ok(true) => {
-                    return Outcome::Commit(WaveEffects::ending(End::Park), Extras::default())
+                    let end = match self.queue.parked_count(&item.flow).await {
+                        Ok(n) if n >= self.cfg.max_parked => {
+                            metrics::counter!("weir_bounds_hit_total", "bound" => "max_parked")
+                                .increment(1);
+                            End::DeadLetter(format!(
+                                "flow `{}` is paused with {n} items parked already (max_parked {})",
+                                item.flow, self.cfg.max_parked
+                            ))
+                        }
+                        Ok(_) => End::Park,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot count the parked items");
+                            return Outcome::Abandon;
+                        }
+                    };
+                    return Outcome::Commit(WaveEffects::ending(end), Extras::default());
                 }
                 Ok(false) => {}
                 Err(e) => {

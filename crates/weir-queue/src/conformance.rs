@@ -273,6 +273,8 @@ pub async fn park_unpark_and_step(q: Q, _fp: Failpoints) {
         );
     }
     assert_eq!(q.stats().await.unwrap().parked, 4);
+    assert_eq!(q.parked_count("f").await.unwrap(), 4);
+    assert_eq!(q.parked_count("g").await.unwrap(), 0);
     let stepped = q.unpark_one("f").await.unwrap().unwrap();
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(c.len(), 1, "step releases exactly one");

@@ -310,6 +310,19 @@ pub trait WorkQueue: StateRead + Send + Sync {
 
     async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError>;
     async fn is_paused(&self, flow: &str) -> Result<bool, QueueError>;
+    /// How many items of `flow` are parked now.
+    async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
+        Ok(self
+            .list(ListFilter {
+                flow: Some(flow.to_string()),
+                state: Some("parked".into()),
+                after: None,
+                limit: usize::MAX,
+            })
+            .await?
+            .len())
+    }
+
     /// Make every parked item of `flow` ready, oldest first; returns how many.
     async fn unpark(&self, flow: &str) -> Result<usize, QueueError>;
     /// Make the oldest parked item of `flow` ready, to run once although the flow is paused.

@@ -540,6 +540,10 @@ impl WorkQueue for MemoryQueue {
         Ok(self.lock().paused.contains(flow))
     }
 
+    async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
+        Ok(self.lock().parked.get(flow).map(BTreeMap::len).unwrap_or(0))
+    }
+
     async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
         let n = {
             let mut g = self.lock();

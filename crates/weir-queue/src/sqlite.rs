@@ -1000,6 +1000,17 @@ impl WorkQueue for SqliteQueue {
         self.read_with(move |c| is_paused(c, &flow)).await
     }
 
+    async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
+        let flow = flow.to_string();
+        self.read_with(move |c| {
+            let n: i64 = c
+                .prepare_cached("SELECT count(*) FROM items WHERE flow = ?1 AND st = 'parked'")?
+                .query_row([&flow], |r| r.get(0))?;
+            Ok(n as usize)
+        })
+        .await
+    }
+
     async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
         let flow = flow.to_string();
         self.write(move |c, w| {

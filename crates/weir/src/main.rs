@@ -75,6 +75,9 @@ enum Cmd {
         /// Items claimed and not yet committed, across all flows, at most.
         #[arg(long, default_value_t = 64)]
         max_in_flight: usize,
+        /// Items parked per paused flow at most; past it they are dead-lettered with the reason.
+        #[arg(long, default_value_t = 100_000)]
+        max_parked: usize,
         /// Outcomes, dead letters and run records are kept this long, then pruned (with a
         /// count in the metrics).
         #[arg(long, default_value = "7d", value_parser = duration)]
@@ -289,6 +292,7 @@ struct FileConfig {
     max_age: Option<String>,
     retention: Option<String>,
     max_in_flight: Option<usize>,
+    max_parked: Option<usize>,
     /// Named brokers: `cloud = "mqtts://…"`.
     #[serde(default)]
     brokers: std::collections::BTreeMap<String, String>,
@@ -325,6 +329,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
             max_age,
             retention,
             max_in_flight,
+            max_parked,
             config,
         } => {
             let file = match &config {
@@ -364,6 +369,11 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
                 .filter(|_| pick("max_in_flight"))
                 .unwrap_or(max_in_flight)
                 .max(1);
+            let max_parked = file
+                .max_parked
+                .filter(|_| pick("max_parked"))
+                .unwrap_or(max_parked)
+                .max(1);
             let mut mqtt_brokers = mqtt_brokers;
             for (name, url) in &file.brokers {
                 // A flag naming the same broker wins.
@@ -385,6 +395,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
                 max_age,
                 retention,
                 max_in_flight,
+                max_parked,
                 ..Default::default()
             };
             if let Some(c) = consumer {

@@ -1069,6 +1069,13 @@ impl WorkQueue for RedisQueue {
             .map_err(unavailable)
     }
 
+    async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
+        let mut c = self.conn.clone();
+        c.llen(keys::parked(&self.prefix_of(flow), flow))
+            .await
+            .map_err(unavailable)
+    }
+
     async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
         self.run(&self.scripts.unpark, &self.prefix_of(flow), &[&flow])
             .await
