@@ -110,6 +110,7 @@ async fn prometheus(State(a): State<Admin>) -> Response {
         ] {
             metrics::gauge!("weir_queue_items", "state" => state).set(n as f64);
         }
+        metrics::gauge!("weir_dead_letters_evicted").set(s.dead_evicted as f64);
     }
     (
         [(

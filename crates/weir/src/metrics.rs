@@ -66,6 +66,10 @@ pub fn describe() {
         "Time from a wave's start to its commit, by flow"
     );
     describe_gauge!("weir_queue_items", "Items in the queue now, by state");
+    describe_gauge!(
+        "weir_dead_letters_evicted",
+        "Dead letters evicted past the backend's cap, all told"
+    );
     describe_counter!(
         "weir_pruned_total",
         "Outcomes, dead letters and run records pruned past the retention"
