@@ -262,7 +262,7 @@ fn authorized(auth: &Auth, headers: &HeaderMap, body: &[u8]) -> bool {
 
 /// A JSON body becomes the payload; other UTF-8 text becomes a string; anything else is 415.
 #[allow(clippy::result_large_err)]
-fn decode(headers: &HeaderMap, bytes: &[u8]) -> Result<Value, Response> {
+pub fn decode(headers: &HeaderMap, bytes: &[u8]) -> Result<Value, Response> {
     if bytes.is_empty() {
         return Ok(Value::Null);
     }
