@@ -18,6 +18,8 @@ pub fn test_exec() -> ExecConfig {
         retry_base: Duration::from_millis(100),
         retry_cap: Duration::from_secs(1),
         shutdown_grace: Duration::from_secs(5),
+        // A call that hangs (a PUBACK lost with a broker restart) is retried in seconds.
+        node_timeout: Duration::from_secs(5),
         ..Default::default()
     }
 }

@@ -92,7 +92,7 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
                         acc.lock().unwrap().push(n);
                     }
                     n += 1;
-                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    tokio::time::sleep(Duration::from_millis(6)).await;
                 }
                 n
             })
@@ -111,7 +111,7 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
                 .await
                 .unwrap();
             published += 1;
-            tokio::time::sleep(Duration::from_millis(4)).await;
+            tokio::time::sleep(Duration::from_millis(8)).await;
         }
         // Kill it mid-stride.
         e.kill();
@@ -150,7 +150,7 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
         }
         seen
     };
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let hooks = count("hook", "n");
         let msgs = count("mqtt", "m");
