@@ -34,6 +34,23 @@ pub async fn start_on(url: &str, flows: &[(&str, &str)], fp: Failpoints) -> Runn
     start_with(url, None, flows, fp).await
 }
 
+/// Start an engine on 127.0.0.1 with a free port, on the queue `url` names, with executor
+/// settings of the test's own (a short retention, a small in-flight bound…).
+pub async fn start_exec(url: &str, exec: ExecConfig, flows: &[(&str, &str)]) -> RunningEngine {
+    let mut b = Engine::builder()
+        .queue_url(url)
+        .http(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .exec_config(exec);
+    for (name, src) in flows {
+        b = b.flow_str(*name, *src);
+    }
+    b.build()
+        .unwrap_or_else(|e| panic!("flows do not load:\n{e}"))
+        .start()
+        .await
+        .expect("engine starts")
+}
+
 /// Start an engine on 127.0.0.1 with a free port, on the queue `url` names, with the MQTT
 /// broker `mqtt`.
 pub async fn start_with(

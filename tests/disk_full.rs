@@ -50,16 +50,12 @@ async fn a_full_disk_costs_503s_never_an_accepted_event() {
         }
     };
     let flow = "id: keep\nnodes:\n  in: { type: webhook, path: in, to: [w] }\n  w: { type: delay, for: 1h }\n";
-    let e = weir::Engine::builder()
-        .queue_url(format!("sqlite:{}/queue.db", disk.dir.path().display()))
-        .exec_config(weir_testkit::test_exec())
-        .http("127.0.0.1:0".parse().unwrap())
-        .flow_str("keep.yaml", flow)
-        .build()
-        .unwrap()
-        .start()
-        .await
-        .unwrap();
+    let e = weir_testkit::start_exec(
+        &format!("sqlite:{}/queue.db", disk.dir.path().display()),
+        weir_testkit::test_exec(),
+        &[("keep.yaml", flow)],
+    )
+    .await;
     let blob = "x".repeat(8 * 1024);
     let mut accepted = 0u64;
     for n in 0..10 {

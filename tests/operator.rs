@@ -204,16 +204,12 @@ nodes:
     exec.retention = Duration::from_millis(300);
     exec.prune_every = Duration::from_millis(100);
     let data = tempfile::tempdir().unwrap();
-    let e = weir::Engine::builder()
-        .queue_url(format!("sqlite:{}/queue.db", data.path().display()))
-        .exec_config(exec)
-        .http("127.0.0.1:0".parse().unwrap())
-        .flow_str("short.yaml", flow)
-        .build()
-        .unwrap()
-        .start()
-        .await
-        .unwrap();
+    let e = weir_testkit::start_exec(
+        &format!("sqlite:{}/queue.db", data.path().display()),
+        exec,
+        &[("short.yaml", flow)],
+    )
+    .await;
     let base = format!("http://{}", e.admin_addr);
     let ok: Value = post_json(&e, "in", json!("fine"))
         .await
@@ -331,16 +327,7 @@ async fn a_paused_flow_parks_up_to_its_bound_and_dead_letters_the_rest_with_the_
     let flow = "id: held\nconcurrency: 1\nnodes:\n  in: { type: webhook, path: in, to: [l] }\n  l: { type: log }\n";
     let mut exec = weir_testkit::test_exec();
     exec.max_parked = 2;
-    let e = weir::Engine::builder()
-        .queue_url("memory")
-        .exec_config(exec)
-        .http("127.0.0.1:0".parse().unwrap())
-        .flow_str("held.yaml", flow)
-        .build()
-        .unwrap()
-        .start()
-        .await
-        .unwrap();
+    let e = weir_testkit::start_exec("memory", exec, &[("held.yaml", flow)]).await;
     post_admin(&e, "/api/flows/held/pause").await;
     for n in 0..4 {
         assert_eq!(post_json(&e, "in", json!({ "n": n })).await.status(), 202);

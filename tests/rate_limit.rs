@@ -286,16 +286,7 @@ async fn transient_failures_past_the_maximum_age_expire_visibly() {
     );
     let mut exec = weir_testkit::test_exec();
     exec.max_age = Duration::from_millis(600);
-    let e = weir::Engine::builder()
-        .queue_url("memory")
-        .exec_config(exec)
-        .http("127.0.0.1:0".parse().unwrap())
-        .flow_str("expire.yaml", flow)
-        .build()
-        .unwrap()
-        .start()
-        .await
-        .unwrap();
+    let e = weir_testkit::start_exec("memory", exec, &[("expire.yaml", &flow)]).await;
     post_json(&e, "in", json!({ "n": 1 })).await;
     let dead = wait_for_dead_letters(&e, 1, Duration::from_secs(10)).await;
     let reason = dead[0]["reason"].as_str().unwrap_or_default();
