@@ -241,29 +241,15 @@ return out
 
 const MOVE_DUE: &str = r#"
 local ids = redis.call('ZRANGEBYSCORE', P .. 'delayed', '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
-local n = 0
-for _, id in ipairs(ids) do
-  redis.call('ZREM', P .. 'delayed', id)
-  if redis.call('HGET', ik(id), 'st') == 'delayed' then
-    make_ready(id, false)
-    n = n + 1
-  end
-end
-return n
+if #ids > 0 then redis.call('ZREM', P .. 'delayed', unpack(ids)) end
+return ready_those(ids, 'delayed')
 "#;
 
 const UNPARK: &str = r#"
 local L = P .. 'parked:' .. ARGV[3]
 local ids = redis.call('LRANGE', L, 0, -1)
 redis.call('DEL', L)
-local n = 0
-for _, id in ipairs(ids) do
-  if redis.call('HGET', ik(id), 'st') == 'parked' then
-    make_ready(id, false)
-    n = n + 1
-  end
-end
-return n
+return ready_those(ids, 'parked')
 "#;
 
 const UNPARK_ONE: &str = r#"

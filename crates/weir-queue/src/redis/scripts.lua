@@ -110,3 +110,15 @@ local function make_ready(id, stepped)
   redis.call('HDEL', k, 'due', 'consumer', 'since')
   if stepped then redis.call('HSET', k, 'stepped', '1') end
 end
+
+-- Make ready those of `ids` still in state `st`; returns how many.
+local function ready_those(ids, st)
+  local n = 0
+  for _, id in ipairs(ids) do
+    if redis.call('HGET', ik(id), 'st') == st then
+      make_ready(id, false)
+      n = n + 1
+    end
+  end
+  return n
+end
