@@ -11,6 +11,9 @@ use serde_json::Value;
 use weir::weir_exec::ExecConfig;
 use weir::{Engine, Failpoints, RunningEngine};
 
+pub mod ceilings;
+pub mod load;
+
 /// Executor settings for tests: quick reclaim and retries, so redeliveries happen in seconds.
 pub fn test_exec() -> ExecConfig {
     ExecConfig {
@@ -262,8 +265,11 @@ pub fn weir_bin() -> std::path::PathBuf {
     let bin = dir.join("weir");
     if !bin.exists() {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        // A benchmark runs from target/release: build the binary it measures the same way.
+        let release = dir.ends_with("release");
         let status = std::process::Command::new(cargo)
             .args(["build", "-q", "-p", "weir", "--bin", "weir"])
+            .args(release.then_some("--release"))
             .status()
             .expect("cargo runs");
         assert!(status.success(), "building the weir binary failed");

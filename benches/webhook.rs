@@ -1,0 +1,322 @@
+//! The webhook benchmarks of issue 8, each against the `weir` binary on its durable default
+//! (SQLite, WAL, `synchronous=FULL`), each figure beside a ceiling measured in the same run:
+//!
+//! 1. echo, `respond: wave` (webhook → function → http-response), 16 connections: requests
+//!    per second and p99, beside a bare axum server doing the same JSON echo with no journal
+//!    (the HTTP stack and the load generator on these cores) and the fsync rate;
+//! 2. accepted (202) then run (webhook → function → log): events per second accepted, and the
+//!    time until every one of them has run;
+//! 3. memory: resident when idle with the example flows loaded, and the peak after the loads;
+//! 4. start to first healthy answer;
+//! 5. 1,000 flows loaded vs 1: cost per accepted event.
+//!
+//! Each scenario checks that the number journaled equals the number sent (the engine's own
+//! count of items ended). Run: `cargo bench --bench webhook` (`WEIR_BENCH_SECS` sets the
+//! length of each load, default 8 s).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use axum::routing::post;
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde_json::{json, Value};
+use weir_testkit::ceilings::{fsyncs_per_second, rss_kib};
+use weir_testkit::load::{self, LoadReport, LoadSpec};
+use weir_testkit::{weir_bin, Mosquitto, WeirProcess};
+
+const CONNECTIONS: usize = 16;
+
+const ECHO: &str = r#"
+id: bench-echo
+nodes:
+  hook: { type: webhook, path: bench-echo, respond: wave, timeout: 10s, to: [shape] }
+  shape:
+    type: function
+    script: |
+      msg.payload = #{ echo: msg.payload, ok: true };
+      msg
+    to: [answer]
+  answer: { type: http-response, status: 200 }
+"#;
+
+fn accept_flow(id: &str, path: &str) -> String {
+    format!(
+        r#"
+id: {id}
+nodes:
+  hook: {{ type: webhook, path: {path}, to: [shape] }}
+  shape:
+    type: function
+    script: |
+      msg.payload.seen = true;
+      msg
+    to: [log]
+  log: {{ type: log, level: debug }}
+"#
+    )
+}
+
+fn secs() -> Duration {
+    let s: f64 = std::env::var("WEIR_BENCH_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8.0);
+    Duration::from_secs_f64(s)
+}
+
+fn addr(base: &str) -> SocketAddr {
+    base.trim_start_matches("http://").parse().expect("address")
+}
+
+fn spec(addr: SocketAddr, path: &str, paths: usize, duration: Duration) -> LoadSpec {
+    LoadSpec {
+        addr,
+        path: path.to_string(),
+        paths,
+        body: Bytes::from_static(br#"{"temperature":21.5,"room":"kitchen"}"#),
+        connections: CONNECTIONS,
+        duration,
+        max_requests: None,
+        keep_bodies: false,
+    }
+}
+
+/// The sum of a Prometheus counter's series whose labels contain every one of `labels`.
+async fn counter(base: &str, name: &str, labels: &[&str]) -> u64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Wait until the engine has nothing ready or in flight; how long that took.
+async fn drained(p: &WeirProcess, within: Duration) -> Duration {
+    let t = Instant::now();
+    loop {
+        let s = p.stats().await;
+        let left = s["ready"].as_u64().unwrap_or(1) + s["in_flight"].as_u64().unwrap_or(1);
+        if left == 0 {
+            return t.elapsed();
+        }
+        assert!(t.elapsed() < within, "the queue did not drain: {s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn line(r: &LoadReport) -> String {
+    format!(
+        "{:>7.0}/s  p50 {:>6.2} ms  p99 {:>6.2} ms  ({} answers, statuses {:?}, {} errors)",
+        r.rate(),
+        r.percentile(0.50).as_secs_f64() * 1e3,
+        r.percentile(0.99).as_secs_f64() * 1e3,
+        r.answered(),
+        r.statuses,
+        r.errors
+    )
+}
+
+/// The same JSON echo as the echo flow, served by a bare axum server with no journal.
+async fn bare_echo(duration: Duration) -> LoadReport {
+    let app = Router::new().route(
+        "/hooks/bench-echo",
+        post(|Json(v): Json<Value>| async move { Json(json!({ "echo": v, "ok": true })) }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = l.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(l, app).await });
+    let r = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+    server.abort();
+    r
+}
+
+/// Copy the example flows and write the bench's own beside them.
+fn flows_dir(dir: &Path, extra: &[(String, String)]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("flows");
+    for e in std::fs::read_dir(examples).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    for (name, src) in extra {
+        std::fs::write(dir.join(name), src).unwrap();
+    }
+}
+
+/// Start `weir run` and time it to its first healthy answer (polled every half millisecond).
+fn time_to_healthy(flows: &Path, queue: &str, mqtt: &str) -> Duration {
+    let port = weir_queue::testing::free_port();
+    let t = Instant::now();
+    let mut child = std::process::Command::new(weir_bin())
+        .arg("run")
+        .arg(flows)
+        .args(["--queue", queue, "--http", &format!("127.0.0.1:{port}")])
+        .args(["--mqtt", mqtt])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("weir starts");
+    let deadline = t + Duration::from_secs(10);
+    let took = loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            use std::io::{Read, Write};
+            let _ = s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+            let mut buf = Vec::new();
+            let _ = s.read_to_end(&mut buf);
+            if buf.starts_with(b"HTTP/1.1 200") {
+                break t.elapsed();
+            }
+        }
+        assert!(Instant::now() < deadline, "weir did not become healthy");
+        std::thread::sleep(Duration::from_micros(500));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    took
+}
+
+async fn bench() {
+    let duration = secs();
+    let tmp = tempfile::tempdir().unwrap();
+    let broker = Mosquitto::start();
+    let fsync = fsyncs_per_second(tmp.path());
+    println!("weir binary: {}", weir_bin().display());
+    println!("queue: sqlite, WAL, synchronous=FULL (every commit fsynced); fsync ceiling here: {fsync:.0}/s");
+    println!("load: {CONNECTIONS} keep-alive connections, {duration:?} per run, generator on the same 2 cores\n");
+    let mut summary = Vec::new();
+
+    // ---- start to first healthy answer, with the example flows ----
+    let examples = tmp.path().join("examples");
+    flows_dir(&examples, &[]);
+    let mut starts: Vec<Duration> = (0..5)
+        .map(|i| {
+            let q = format!("sqlite:{}/start-{i}/queue.db", tmp.path().display());
+            time_to_healthy(&examples, &q, &broker.url())
+        })
+        .collect();
+    starts.sort();
+    summary.push(format!(
+        "start → first healthy answer: median {:.1} ms (of 5: {:?}) | target ≤ 100 ms",
+        starts[2].as_secs_f64() * 1e3,
+        starts
+            .iter()
+            .map(|d| format!("{:.1}", d.as_secs_f64() * 1e3))
+            .collect::<Vec<_>>()
+    ));
+
+    // ---- the engine under load ----
+    let flows = tmp.path().join("flows");
+    flows_dir(
+        &flows,
+        &[
+            ("bench-echo.yaml".into(), ECHO.into()),
+            (
+                "bench-accept.yaml".into(),
+                accept_flow("bench-accept", "bench-accept"),
+            ),
+        ],
+    );
+    let queue = format!("sqlite:{}/queue.db", tmp.path().display());
+    let mqtt = broker.url();
+    let p = WeirProcess::start(&flows, &queue, &["--mqtt", &mqtt]).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (idle, _) = rss_kib(p.pid());
+    let a = addr(&p.base);
+
+    // echo: the ceiling first, then weir.
+    let bare = bare_echo(duration).await;
+    println!("bare axum echo (no journal): {}", line(&bare));
+    let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
+    let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+    println!("weir echo, respond: wave:    {}", line(&echo));
+    drained(&p, Duration::from_secs(60)).await;
+    let ended = counter(&p.base, "weir_items_ended_total", &["flow=\"bench-echo\""]).await;
+    assert_eq!(
+        ended,
+        warm.ok() + echo.ok(),
+        "every answered echo was journaled and ended once"
+    );
+    assert_eq!(echo.ok(), echo.answered(), "every echo answered 200");
+    summary.push(format!(
+        "webhook echo (respond: wave): {:.0} req/s, p99 {:.2} ms | bare HTTP echo {:.0} req/s, ratio {:.2} | targets ≥ 23,000 req/s, p99 ≤ 4 ms",
+        echo.rate(),
+        echo.percentile(0.99).as_secs_f64() * 1e3,
+        bare.rate(),
+        echo.rate() / bare.rate()
+    ));
+
+    // accepted (202), then run.
+    let t0 = Instant::now();
+    let acc = load::run(spec(a, "/hooks/bench-accept", 1, duration)).await;
+    println!("weir accepted (202):         {}", line(&acc));
+    let after = drained(&p, Duration::from_secs(120)).await;
+    let all_run = t0.elapsed();
+    let ended = counter(&p.base, "weir_items_ended_total", &["flow=\"bench-accept\""]).await;
+    assert_eq!(ended, acc.ok(), "every 202 was journaled and run once");
+    summary.push(format!(
+        "webhook accepted (202) → function → log: {:.0} events/s accepted, all {} run {:.0} ms after the load ({:.0} events/s end to end) | bare HTTP {:.0} req/s, ratio {:.2} | target ≥ 30,000/s",
+        acc.rate(),
+        acc.ok(),
+        after.as_secs_f64() * 1e3,
+        acc.ok() as f64 / all_run.as_secs_f64(),
+        bare.rate(),
+        acc.rate() / bare.rate()
+    ));
+    let (_, peak) = rss_kib(p.pid());
+    summary.push(format!(
+        "resident memory: idle {:.1} MiB with the example flows loaded, peak {:.1} MiB after the loads | targets ≤ 15 MiB idle, ≤ 60 MiB peak",
+        idle as f64 / 1024.0,
+        peak as f64 / 1024.0
+    ));
+    let one = acc.rate();
+    p.stop(Duration::from_secs(10)).await;
+
+    // ---- 1,000 flows loaded vs 1 ----
+    let many = tmp.path().join("many");
+    let flows: Vec<(String, String)> = (0..1000)
+        .map(|i| {
+            (
+                format!("f{i:04}.yaml"),
+                accept_flow(&format!("f{i:04}"), &format!("p{i}")),
+            )
+        })
+        .collect();
+    flows_dir(&many, &flows);
+    let queue = format!("sqlite:{}/many.db", tmp.path().display());
+    let p = WeirProcess::start(&many, &queue, &["--mqtt", &mqtt]).await;
+    let m = load::run(spec(addr(&p.base), "/hooks/p{n}", 1000, duration)).await;
+    println!("weir accepted, 1,000 flows: {}", line(&m));
+    drained(&p, Duration::from_secs(120)).await;
+    let ended = counter(&p.base, "weir_items_ended_total", &["end=\"ack\""]).await;
+    assert_eq!(ended, m.ok(), "every 202 was journaled and run once");
+    summary.push(format!(
+        "1,000 flows loaded (events spread over all of them) vs 1: {:.0} vs {:.0} events/s accepted, cost per event {:.2}× | target ≤ 1.2×",
+        m.rate(),
+        one,
+        one / m.rate()
+    ));
+    p.stop(Duration::from_secs(10)).await;
+
+    println!("\n--- webhook benchmarks, beside the ceilings measured in this run ---");
+    for s in summary {
+        println!("{s}");
+    }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument is not used here.
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(bench());
+}

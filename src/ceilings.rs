@@ -1,0 +1,94 @@
+//! The machine's own ceilings, measured in the same run as the figure they bound, so every
+//! benchmark prints weir's number beside what the hardware and the servers allow.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Write 4 KiB + fdatasync in `dir`, as often as possible for two seconds: per second.
+pub fn fsyncs_per_second(dir: &Path) -> f64 {
+    let path = dir.join("fsync-probe");
+    let mut f = std::fs::File::create(&path).expect("probe file");
+    let block = [7u8; 4096];
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed() < Duration::from_secs(2) {
+        f.write_all(&block).expect("probe write");
+        f.sync_data().expect("probe fsync");
+        n += 1;
+    }
+    let _ = std::fs::remove_file(path);
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// The batched-SQLite ceiling: a bare queue table in WAL mode with `synchronous=FULL`,
+/// items added, claimed and acknowledged `per_tx` operations to a transaction (one fsync
+/// each), for `secs` seconds. Items per second (each item costs three operations).
+pub fn sqlite_batched(dir: &Path, per_tx: usize, secs: f64) -> f64 {
+    let path = dir.join("ceiling.db");
+    let c = rusqlite::Connection::open(&path).expect("ceiling db");
+    c.execute_batch(
+        "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;
+         CREATE TABLE q (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+                         st TEXT NOT NULL, body TEXT NOT NULL);
+         CREATE INDEX q_st ON q (st, seq);",
+    )
+    .expect("ceiling schema");
+    let body = r#"{"payload":{"n":1},"topic":"bench"}"#;
+    // One third of each transaction adds, one claims, one acknowledges.
+    let third = (per_tx / 3).max(1);
+    let t = Instant::now();
+    let mut items = 0u64;
+    let mut next = 0u64;
+    while t.elapsed().as_secs_f64() < secs {
+        c.execute_batch("BEGIN IMMEDIATE").expect("begin");
+        {
+            let mut add = c
+                .prepare_cached("INSERT INTO q (id, st, body) VALUES (?1, 'waiting', ?2)")
+                .expect("add");
+            for _ in 0..third {
+                add.execute(rusqlite::params![format!("{next:026}"), body])
+                    .expect("add");
+                next += 1;
+            }
+            let mut claim = c
+                .prepare_cached(
+                    "UPDATE q SET st = 'in_flight' WHERE seq = (SELECT seq FROM q WHERE st = 'waiting' ORDER BY seq LIMIT 1) RETURNING seq",
+                )
+                .expect("claim");
+            let mut claimed = Vec::with_capacity(third);
+            for _ in 0..third {
+                let seq: i64 = claim.query_row([], |r| r.get(0)).expect("claim");
+                claimed.push(seq);
+            }
+            let mut ack = c
+                .prepare_cached("DELETE FROM q WHERE seq = ?1")
+                .expect("ack");
+            for seq in claimed {
+                ack.execute([seq]).expect("ack");
+            }
+        }
+        c.execute_batch("COMMIT").expect("commit");
+        items += third as u64;
+    }
+    let rate = items as f64 / t.elapsed().as_secs_f64();
+    drop(c);
+    for ext in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
+    }
+    rate
+}
+
+/// Resident memory of process `pid` now and at its peak (VmRSS, VmHWM), in KiB.
+pub fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
