@@ -259,7 +259,12 @@ async fn bench() {
     println!("weir accepted (202):         {}", line(&acc));
     let after = drained(&p, Duration::from_secs(120)).await;
     let all_run = t0.elapsed();
-    let ended = counter(&p.base, "weir_items_ended_total", &["flow=\"bench-accept\""]).await;
+    let ended = counter(
+        &p.base,
+        "weir_items_ended_total",
+        &["flow=\"bench-accept\""],
+    )
+    .await;
     assert_eq!(ended, acc.ok(), "every 202 was journaled and run once");
     summary.push(format!(
         "webhook accepted (202) → function → log: {:.0} events/s accepted, all {} run {:.0} ms after the load ({:.0} events/s end to end) | bare HTTP {:.0} req/s, ratio {:.2} | target ≥ 30,000/s",

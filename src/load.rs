@@ -125,7 +125,9 @@ async fn connection(
             {
                 break 'outer;
             }
-            let path = spec.path.replace("{n}", &(n % spec.paths.max(1)).to_string());
+            let path = spec
+                .path
+                .replace("{n}", &(n % spec.paths.max(1)).to_string());
             n += spec.connections;
             let req = hyper::Request::post(path)
                 .header("host", "bench")

@@ -225,7 +225,10 @@ impl Executor {
                 break;
             }
             let step = async {
-                self.queue.move_due(now_ms()).await?;
+                let promotes = self.queue.promotes_due_items();
+                if !promotes {
+                    self.queue.move_due(now_ms()).await?;
+                }
                 if last_reclaim.elapsed()
                     >= self
                         .cfg
@@ -251,9 +254,12 @@ impl Executor {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                     return Ok(Vec::new());
                 }
-                let wait = match self.queue.next_due().await? {
-                    Some(t) => Duration::from_millis((t - now_ms()).clamp(1, 100) as u64),
-                    None => Duration::from_millis(100),
+                let wait = match promotes {
+                    true => Duration::from_millis(100),
+                    false => match self.queue.next_due().await? {
+                        Some(t) => Duration::from_millis((t - now_ms()).clamp(1, 100) as u64),
+                        None => Duration::from_millis(100),
+                    },
                 };
                 self.queue.claim(&self.cfg.consumer, free, wait).await
             };

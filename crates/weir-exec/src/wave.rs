@@ -39,13 +39,13 @@ impl Executor {
         let span = tracing::info_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
         let started = std::time::Instant::now();
         async {
-            for _ in 0..CONFLICT_RERUNS {
+            for run in 0..CONFLICT_RERUNS {
                 let outcome = match &flow {
                     None => Outcome::Commit(
                         WaveEffects::ending(End::DeadLetter(format!("flow `{}` is not loaded", c.item.flow))),
                         Extras::default(),
                     ),
-                    Some(f) => match tokio::time::timeout(self.cfg.wave_deadline, self.prepare_and_run(f, &c)).await {
+                    Some(f) => match tokio::time::timeout(self.cfg.wave_deadline, self.prepare_and_run(f, &c, run)).await {
                         Ok(o) => o,
                         Err(_) => Outcome::Commit(self.deadline_passed(&c.item), Extras::default()),
                     },
@@ -133,7 +133,8 @@ impl Executor {
     }
 
     /// The checks before a wave (§4: paused, guard, ceiling), then the wave itself.
-    async fn prepare_and_run(&self, f: &FlowRt, c: &Claimed) -> Outcome {
+    /// `run` counts the runs of this delivery (a commit conflict runs the wave again).
+    async fn prepare_and_run(&self, f: &FlowRt, c: &Claimed, run: usize) -> Outcome {
         let item = &c.item;
         if !c.stepped {
             match self.queue.is_paused(&item.flow).await {
@@ -194,14 +195,16 @@ impl Executor {
                 Extras::default(),
             );
         }
-        let mut out = self.run_wave(f, item, start).await;
+        // The first run of a first delivery can find no done marker: none was written yet.
+        let fresh = run == 0 && item.deliveries <= 1;
+        let mut out = self.run_wave(f, item, start, fresh).await;
         if let Outcome::Commit(fx, _) = &mut out {
             fx.guards = guards;
         }
         out
     }
 
-    async fn run_wave(&self, f: &FlowRt, item: &WorkItem, start: usize) -> Outcome {
+    async fn run_wave(&self, f: &FlowRt, item: &WorkItem, start: usize, fresh: bool) -> Outcome {
         let flow = &f.flow;
         let mut pending: VecDeque<(usize, Message)> = VecDeque::new();
         if item.attempt > 0 || item.kind == ItemKind::Flush {
@@ -212,7 +215,7 @@ impl Executor {
             }
         } else {
             for (port, msgs) in item.outputs.iter().enumerate() {
-                for t in flow.graph.targets(start, port) {
+                for &t in flow.graph.targets(start, port) {
                     for m in msgs {
                         pending.push_back((t, m.clone()));
                     }
@@ -242,14 +245,15 @@ impl Executor {
             }
             let position = steps as u32;
             let node = &flow.nodes[n];
-            let done_key = DoneKey {
+            // Only side effects keep done markers: their key is made for them alone.
+            let done_key = || DoneKey {
                 flow: item.flow.clone(),
                 item: item.id,
                 node: node.id.clone(),
                 position,
             };
-            let recorded = if node.node.side_effect() {
-                match self.queue.was_done(&done_key).await {
+            let recorded = if node.node.side_effect() && !fresh {
+                match self.queue.was_done(&done_key()).await {
                     Ok(r) => r,
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot read a done marker");
@@ -290,8 +294,21 @@ impl Executor {
                         ))),
                     };
                     if let (true, Ok(emit)) = (node.node.side_effect(), &r) {
-                        // Recorded right after the effect, before the wave goes on.
-                        if let Err(e) = self.queue.mark_done(done_key, emit.0.clone()).await {
+                        // Recorded right after the effect, before the wave goes on. When the
+                        // wave has nothing left to run after it, the commit that follows at
+                        // once is the record: it ends the item, which is never run again,
+                        // and a crash before it repeats the effect exactly as a crash before
+                        // a marker would. One durable write per message fewer.
+                        let last = pending.is_empty()
+                            && emit.0.iter().enumerate().all(|(port, msgs)| {
+                                msgs.is_empty() || flow.graph.targets(n, port).is_empty()
+                            });
+                        let marked = if last {
+                            Ok(())
+                        } else {
+                            self.queue.mark_done(done_key(), emit.0.clone()).await
+                        };
+                        if let Err(e) = marked {
                             tracing::warn!(error = %e, node = %node.id, "could not record a done marker; a redelivery may repeat this effect");
                         }
                         if self
@@ -309,8 +326,8 @@ impl Executor {
                     for (port, msgs) in ports.into_iter().enumerate() {
                         let targets = flow.graph.targets(n, port);
                         for m in msgs {
-                            for t in &targets {
-                                pending.push_back((*t, m.clone()));
+                            for &t in targets {
+                                pending.push_back((t, m.clone()));
                             }
                         }
                     }

@@ -288,6 +288,9 @@ fn resolve_env(y: &mut Yaml, report: &mut Report) {
 #[derive(Debug, Clone)]
 pub struct FlowGraph {
     pub graph: DiGraph<String, usize>,
+    /// Per node, per output port: the nodes wired to it, sorted (looked up on every message,
+    /// so worked out once at load).
+    wires: Vec<Vec<Vec<usize>>>,
 }
 
 impl FlowGraph {
@@ -322,24 +325,39 @@ impl FlowGraph {
                 }
             }
         }
-        FlowGraph { graph }
+        let wires = (0..ids.len())
+            .map(|from| {
+                let n = NodeIndex::new(from);
+                let ports = graph.edges(n).map(|e| *e.weight() + 1).max().unwrap_or(0);
+                (0..ports)
+                    .map(|port| {
+                        let mut t: Vec<usize> = graph
+                            .edges(n)
+                            .filter(|e| *e.weight() == port)
+                            .map(|e| e.target().index())
+                            .collect();
+                        t.sort_unstable();
+                        t
+                    })
+                    .collect()
+            })
+            .collect();
+        FlowGraph { graph, wires }
     }
 
     /// The nodes wired to output `port` of node `from`, in a stable order.
-    pub fn targets(&self, from: usize, port: usize) -> Vec<usize> {
-        let mut t: Vec<usize> = self
-            .graph
-            .edges(NodeIndex::new(from))
-            .filter(|e| *e.weight() == port)
-            .map(|e| e.target().index())
-            .collect();
-        t.sort_unstable();
-        t
+    pub fn targets(&self, from: usize, port: usize) -> &[usize] {
+        self.wires
+            .get(from)
+            .and_then(|p| p.get(port))
+            .map_or(&[], Vec::as_slice)
     }
 
     /// Whether the node has no wires out (its messages are a flow's outputs).
     pub fn is_leaf(&self, node: usize) -> bool {
-        self.graph.edges(NodeIndex::new(node)).next().is_none()
+        self.wires
+            .get(node)
+            .is_none_or(|p| p.iter().all(Vec::is_empty))
     }
 
     /// Every node reachable from `from`'s outputs, `from` included.
@@ -431,7 +449,7 @@ mod tests {
             r.errors[0].to_string(),
             "f.yaml:4:9: wire to a missing node `c`"
         );
-        assert_eq!(g.targets(0, 0), vec![1]);
+        assert_eq!(g.targets(0, 0), [1]);
         assert!(g.is_leaf(1));
         assert_eq!(g.reachable(0), vec![0, 1]);
     }

@@ -255,6 +255,13 @@ pub trait WorkQueue: StateRead + Send + Sync {
     /// `false` for the memory backend: a crash loses everything.
     fn durable(&self) -> bool;
 
+    /// Whether the backend makes delayed items ready by itself as they fall due (a claim
+    /// waiting for work is answered when one does), so the executor need not call
+    /// `move_due` and `next_due` before each claim.
+    fn promotes_due_items(&self) -> bool {
+        false
+    }
+
     /// Journal items (ready now, or delayed when `not_before` is in the future).
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError>;
 

@@ -154,3 +154,74 @@ async fn a_poison_row_is_dead_lettered_alone_and_the_rest_flow() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_to_an_idle_engine_is_journaled_and_claimed_in_one_transaction() {
+    let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+    let waiting = {
+        let q = q.clone();
+        tokio::spawn(async move { q.claim("c", 8, Duration::from_secs(10)).await })
+    };
+    // The claim is waiting in the writer (it found nothing).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = q.batches();
+    let it = item(1);
+    let id = it.id;
+    q.add(vec![it]).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the waiting claim is answered at once")
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!((got[0].item.id, got[0].item.deliveries), (id, 1));
+    assert_eq!(
+        q.batches() - before,
+        1,
+        "add and claim shared one transaction"
+    );
+    let v = q.get(id).await.unwrap().unwrap();
+    assert_eq!(v.state.name(), "in_flight");
+    assert_eq!(v.item.deliveries, 1, "the delivery is counted durably");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_claim_ends_empty_at_its_deadline() {
+    let q = SqliteQueue::temporary(Failpoints::new()).unwrap();
+    let t = std::time::Instant::now();
+    let got = q.claim("c", 8, Duration::from_millis(200)).await.unwrap();
+    assert!(got.is_empty());
+    assert!(
+        t.elapsed() >= Duration::from_millis(190),
+        "{:?}",
+        t.elapsed()
+    );
+    // The writer goes on serving other jobs meanwhile and after.
+    q.add(vec![item(1)]).await.unwrap();
+    assert_eq!(q.claim("c", 8, Duration::ZERO).await.unwrap().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_claimed_for_a_claimer_that_gave_up_are_ready_again() {
+    let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+    // A claim abandoned while it waits (its engine stops claiming).
+    let gone = {
+        let q = q.clone();
+        tokio::spawn(async move { q.claim("c", 8, Duration::from_secs(30)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    gone.abort();
+    let _ = gone.await;
+    q.add(vec![item(1), item(2)]).await.unwrap();
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while got.len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "items lost: {got:?}");
+        got.extend(q.claim("d", 8, Duration::from_millis(100)).await.unwrap());
+    }
+    let n: Vec<_> = got
+        .iter()
+        .map(|c| c.item.outputs[0][0]["payload"].clone())
+        .collect();
+    assert_eq!(n, vec![json!(1), json!(2)], "in journal order");
+}

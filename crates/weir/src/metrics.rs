@@ -66,6 +66,19 @@ pub fn describe() {
         "Time from a wave's start to its commit, by flow"
     );
     describe_gauge!("weir_queue_items", "Items in the queue now, by state");
+    describe_counter!(
+        "weir_sqlite_transactions_total",
+        "SQLite transactions committed by the writer (one fsync each)"
+    );
+    describe_counter!(
+        "weir_sqlite_jobs_total",
+        "Queue operations carried by those transactions (group commit: jobs / transactions)"
+    );
+    describe_histogram!(
+        "weir_sqlite_commit_seconds",
+        Unit::Seconds,
+        "Time of each SQLite COMMIT, its fsync included"
+    );
     describe_gauge!(
         "weir_dead_letters_evicted",
         "Dead letters evicted past the backend's cap, all told"

@@ -24,11 +24,13 @@
 pub mod keys;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script};
 use serde::Serialize;
+use tokio::sync::oneshot;
 use ulid::Ulid;
 
 use crate::{
@@ -114,42 +116,51 @@ end
 return out
 "#;
 
+/// Several waves' commits in one call (group commit): ARGV[3] is how many, then four
+/// arguments each (id, lease, flow, effects as JSON). Each is checked and applied on its own,
+/// as if alone; the answer is one word per commit: done, conflict or failed (a failpoint).
 const COMMIT: &str = r#"
-local id, lease, flow = ARGV[3], ARGV[4], ARGV[5]
-local fx = cjson.decode(ARGV[6])
-local k = ik(id)
-local st, cur = unpack(redis.call('HMGET', k, 'st', 'lease'))
-if st ~= 'in_flight' or cur ~= lease then return 'conflict' end
-for _, s in ipairs(fx.state) do
-  if tonumber(redis.call('HGET', s.vk, s.key) or '0') ~= s.read then return 'conflict' end
+local function commit(id, lease, flow, fx)
+  local k = ik(id)
+  local st, cur = unpack(redis.call('HMGET', k, 'st', 'lease'))
+  if st ~= 'in_flight' or cur ~= lease then return 'conflict' end
+  for _, s in ipairs(fx.state) do
+    if tonumber(redis.call('HGET', s.vk, s.key) or '0') ~= s.read then return 'conflict' end
+  end
+  for _, g in ipairs(fx.guards) do
+    if redis.call('HGET', g.hk, g.key) ~= g.want then return 'conflict' end
+  end
+  if fx.kind == 'park' and redis.call('SISMEMBER', P .. 'paused', flow) == 0 then
+    return 'conflict'
+  end
+  if fx.fail then return 'failed' end
+  -- Everything is checked; nothing below can fail.
+  for _, it in ipairs(fx.items) do insert(it) end
+  for _, s in ipairs(fx.state) do
+    if s.del then redis.call('HDEL', s.hk, s.key) else redis.call('HSET', s.hk, s.key, s.value) end
+    redis.call('HINCRBY', s.vk, s.key, 1)
+  end
+  for _, d in ipairs(fx.dead) do insert_dead(d, d.reason) end
+  redis.call('DEL', P .. 'done:' .. id)
+  if fx.kind == 'ack' then
+    finish(id, fx.reason)
+  elseif fx.kind == 'dead' then
+    bury(id, fx.reason)
+  else
+    unstream(k)
+    redis.call('HSET', k, 'st', 'parked')
+    redis.call('HDEL', k, 'consumer', 'since', 'stepped')
+    redis.call('RPUSH', P .. 'parked:' .. flow, id)
+    redis.call('SADD', P .. 'parked_flows', flow)
+  end
+  return 'done'
 end
-for _, g in ipairs(fx.guards) do
-  if redis.call('HGET', g.hk, g.key) ~= g.want then return 'conflict' end
+local out = {}
+for i = 0, tonumber(ARGV[3]) - 1 do
+  local a = 4 + 4 * i
+  out[#out + 1] = commit(ARGV[a], ARGV[a + 1], ARGV[a + 2], cjson.decode(ARGV[a + 3]))
 end
-if fx.kind == 'park' and redis.call('SISMEMBER', P .. 'paused', flow) == 0 then
-  return 'conflict'
-end
-if fx.fail then return redis.error_reply('failpoint `commit` fired') end
--- Everything is checked; nothing below can fail.
-for _, it in ipairs(fx.items) do insert(it) end
-for _, s in ipairs(fx.state) do
-  if s.del then redis.call('HDEL', s.hk, s.key) else redis.call('HSET', s.hk, s.key, s.value) end
-  redis.call('HINCRBY', s.vk, s.key, 1)
-end
-for _, d in ipairs(fx.dead) do insert_dead(d, d.reason) end
-redis.call('DEL', P .. 'done:' .. id)
-if fx.kind == 'ack' then
-  finish(id, fx.reason)
-elseif fx.kind == 'dead' then
-  bury(id, fx.reason)
-else
-  unstream(k)
-  redis.call('HSET', k, 'st', 'parked')
-  redis.call('HDEL', k, 'consumer', 'since', 'stepped')
-  redis.call('RPUSH', P .. 'parked:' .. flow, id)
-  redis.call('SADD', P .. 'parked_flows', flow)
-end
-return 'done'
+return out
 "#;
 
 const RECLAIM: &str = r#"
@@ -429,6 +440,75 @@ fn corrupt(e: impl std::fmt::Display) -> QueueError {
     QueueError::Corrupt(e.to_string())
 }
 
+/// Commits waiting for their shard's next group call.
+#[derive(Default)]
+struct CommitGroup {
+    waiting: Vec<([String; 4], oneshot::Sender<Result<String, QueueError>>)>,
+    /// A task is sending this shard's groups; it stops when none is waiting.
+    flushing: bool,
+}
+
+type CommitGroups = Arc<std::sync::Mutex<HashMap<String, CommitGroup>>>;
+
+/// Commits in one script call at most (the call's arguments stay small).
+const COMMIT_GROUP: usize = 128;
+
+/// Send shard `p`'s waiting commits, a group per call, until none is waiting.
+async fn flush_commits(
+    mut conn: ConnectionManager,
+    script: Script,
+    groups: CommitGroups,
+    p: String,
+) {
+    loop {
+        let batch: Vec<_> = {
+            let mut g = groups.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(group) = g.get_mut(&p) else { return };
+            if group.waiting.is_empty() {
+                group.flushing = false;
+                return;
+            }
+            let n = group.waiting.len().min(COMMIT_GROUP);
+            group.waiting.drain(..n).collect()
+        };
+        let mut inv = script.prepare_invoke();
+        inv.key(keys::stream(&p))
+            .arg(&p)
+            .arg(now_ms().to_string())
+            .arg(batch.len());
+        for (args, _) in &batch {
+            for a in args {
+                inv.arg(a);
+            }
+        }
+        let answer: Result<Vec<String>, QueueError> =
+            inv.invoke_async(&mut conn).await.map_err(unavailable);
+        match answer {
+            Ok(words) if words.len() == batch.len() => {
+                for ((_, tx), w) in batch.into_iter().zip(words) {
+                    let _ = tx.send(Ok(w));
+                }
+            }
+            Ok(words) => {
+                let e = format!(
+                    "a group commit of {} answered {} words",
+                    batch.len(),
+                    words.len()
+                );
+                for (_, tx) in batch {
+                    let _ = tx.send(Err(QueueError::Corrupt(e.clone())));
+                }
+            }
+            Err(e) => {
+                let e = e.to_string();
+                for (_, tx) in batch {
+                    let _ = tx.send(Err(QueueError::Unavailable(e.clone())));
+                }
+            }
+        }
+    }
+}
+
 /// The Redis Streams queue.
 pub struct RedisQueue {
     conn: ConnectionManager,
@@ -437,6 +517,7 @@ pub struct RedisQueue {
     failpoints: Failpoints,
     /// Items `recover` claimed again, handed out by the next claims first.
     recovered: std::sync::Mutex<std::collections::VecDeque<Claimed>>,
+    commits: CommitGroups,
     /// Something that must live as long as the queue (a test's own redis-server).
     _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
@@ -472,6 +553,7 @@ impl RedisQueue {
             scripts,
             failpoints,
             recovered: Default::default(),
+            commits: Default::default(),
             _keep: None,
         };
         q.check_persistence(url).await;
@@ -548,6 +630,29 @@ impl RedisQueue {
         }
         let mut c = self.conn.clone();
         inv.invoke_async(&mut c).await.map_err(unavailable)
+    }
+
+    /// Commit through shard `p`'s group: commits that arrive while one call is on its way
+    /// go together in the next (one script, one fsync on the server), with no timer.
+    async fn commit_grouped(&self, p: &str, args: [String; 4]) -> Result<String, QueueError> {
+        let (tx, rx) = oneshot::channel();
+        let lead = {
+            let mut groups = self.commits.lock().unwrap_or_else(|e| e.into_inner());
+            let g = groups.entry(p.to_string()).or_default();
+            g.waiting.push((args, tx));
+            !std::mem::replace(&mut g.flushing, true)
+        };
+        if lead {
+            let (conn, script, groups, p) = (
+                self.conn.clone(),
+                self.scripts.commit.clone(),
+                self.commits.clone(),
+                p.to_string(),
+            );
+            tokio::spawn(flush_commits(conn, script, groups, p));
+        }
+        rx.await
+            .map_err(|_| QueueError::Unavailable("the commit was dropped".into()))?
     }
 
     async fn record(&self, p: &str, id: &str) -> Result<Option<ItemView>, QueueError> {
@@ -903,18 +1008,20 @@ impl WorkQueue for RedisQueue {
             "state": state, "guards": guards, "fail": fail,
         });
         let payload = serde_json::to_string(&payload).map_err(corrupt)?;
-        let r: String = self
-            .run(
-                &self.scripts.commit,
+        let r = self
+            .commit_grouped(
                 &p,
-                &[
-                    &item.id.to_string(),
-                    &claimed.lease.to_string(),
-                    &item.flow.as_str(),
-                    &payload,
+                [
+                    item.id.to_string(),
+                    claimed.lease.to_string(),
+                    item.flow.clone(),
+                    payload,
                 ],
             )
             .await?;
+        if r == "failed" {
+            return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
+        }
         if reply_lost {
             return Err(QueueError::Unavailable(
                 "failpoint `commit-reply-lost` fired (the commit went through)".into(),
