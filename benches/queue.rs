@@ -16,11 +16,11 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use redis::AsyncCommands;
 use serde_json::json;
 use weir_queue::testing::RedisServer;
-use weir_testkit::ceilings::{fsyncs_per_second, sqlite_batched};
 use weir_queue::{
     Committed, End, Failpoints, RedisOptions, RedisQueue, SqliteQueue, WaveEffects, WorkItem,
     WorkQueue,
 };
+use weir_testkit::ceilings::{fsyncs_per_second, sqlite_batched};
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
 const BATCH: usize = 256;

@@ -92,3 +92,19 @@ pub fn rss_kib(pid: u32) -> (u64, u64) {
     };
     (field("VmRSS:"), field("VmHWM:"))
 }
+
+/// CPU time process `pid` has used so far (user + system).
+pub fn cpu_time(pid: u32) -> std::time::Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    // After ')': the state letter, then ppid … cmajflt, utime, stime (fields 14 and 15).
+    let f: Vec<i64> = rest
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    let ticks = f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0);
+    // Clock ticks are 1/100 s on Linux.
+    std::time::Duration::from_millis(ticks.max(0) as u64 * 10)
+}

@@ -427,6 +427,11 @@ impl Mosquitto {
         m
     }
 
+    /// The broker's process id (for a benchmark reading its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     pub fn url(&self) -> String {
         format!("mqtt://127.0.0.1:{}", self.port)
     }

@@ -364,9 +364,8 @@ impl Executor {
                 for w in wait {
                     let _ = w.await;
                 }
-                me.process(flow, job.claimed).await;
+                me.process(flow, job.claimed, permit).await;
                 drop(hold);
-                drop(permit);
                 drop(job._permit);
             });
         }

@@ -35,7 +35,17 @@ struct Extras {
 const CONFLICT_RERUNS: usize = 5;
 
 impl Executor {
-    pub(crate) async fn process(&self, flow: Option<Arc<FlowRt>>, c: Claimed) {
+    /// Run `c`'s wave and commit it. `permit` is the wave's place in its flow's concurrency:
+    /// given back once the nodes have run, before the commit, so a flow's next waves run
+    /// while this one's commit waits for its fsync (the in-flight bound still holds them).
+    /// A flow of `concurrency: 1` keeps it through the commit: strictly one at a time.
+    pub(crate) async fn process(
+        &self,
+        flow: Option<Arc<FlowRt>>,
+        c: Claimed,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
+        let mut permit = permit;
         let span = tracing::info_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
         let started = std::time::Instant::now();
         async {
@@ -63,6 +73,9 @@ impl Executor {
                     Some(End::Superseded) => "superseded",
                     _ => "ack",
                 };
+                if flow.as_ref().is_some_and(|f| f.flow.concurrency > 1) {
+                    drop(permit.take());
+                }
                 if let Err(e) = self.account_run(&c.item, &mut fx, extras.reached).await {
                     tracing::warn!(error = %e, "cannot read the run's record; the item will be redelivered");
                     return;

@@ -440,10 +440,13 @@ fn corrupt(e: impl std::fmt::Display) -> QueueError {
     QueueError::Corrupt(e.to_string())
 }
 
+/// One commit's script arguments (id, lease, flow, effects) and who waits for its word.
+type GroupedCommit = ([String; 4], oneshot::Sender<Result<String, QueueError>>);
+
 /// Commits waiting for their shard's next group call.
 #[derive(Default)]
 struct CommitGroup {
-    waiting: Vec<([String; 4], oneshot::Sender<Result<String, QueueError>>)>,
+    waiting: Vec<GroupedCommit>,
     /// A task is sending this shard's groups; it stops when none is waiting.
     flushing: bool,
 }
