@@ -131,6 +131,9 @@ struct Writer {
     /// Items claimed for a claimer that had gone before the answer reached it: made ready
     /// again at the start of the next transaction.
     orphans: Vec<Ulid>,
+    /// Items with done markers (so a commit deletes markers only where there are some).
+    /// Never missing one: read from the file at open and again after a rollback.
+    marked: std::collections::HashSet<Ulid>,
     /// The earliest `due` of a delayed item as far as the writer knows (never later than
     /// the true one): when it passes, the writer promotes what is due by itself.
     next_due: Option<i64>,
@@ -299,6 +302,7 @@ impl SqliteQueue {
             woke: false,
             waiters: Vec::new(),
             orphans: Vec::new(),
+            marked: marked_items(&conn).map_err(open_err)?,
             next_due,
             failpoints,
         };
@@ -578,6 +582,9 @@ fn write_loop(
             {
                 w.ready = n;
             }
+            if let Ok(m) = marked_items(&conn) {
+                w.marked = m;
+            }
         }
         batches += 1;
         if batches.is_multiple_of(PRUNE_EVERY) {
@@ -611,6 +618,18 @@ fn guarded<R>(
         }
     }
     a
+}
+
+/// The items that have done markers.
+fn marked_items(c: &Connection) -> Result<std::collections::HashSet<Ulid>, rusqlite::Error> {
+    let ids: Vec<String> = c
+        .prepare_cached("SELECT DISTINCT item FROM done")?
+        .query_map([], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    Ok(ids
+        .iter()
+        .filter_map(|i| Ulid::from_string(i).ok())
+        .collect())
 }
 
 /// Make the delayed items due now ready, and look up when the next one is due.
@@ -879,6 +898,38 @@ fn commit_wave(
     flow: &str,
     fx: WaveEffects,
 ) -> Result<Committed, QueueError> {
+    let plain = fx.follow_ups.is_empty()
+        && fx.delayed.is_empty()
+        && fx.dead.is_empty()
+        && fx.state.is_empty()
+        && fx.guards.is_empty()
+        && !w.marked.contains(&id);
+    if plain {
+        // The common wave (nothing written but its end): the ownership check is the
+        // update's own condition, one statement.
+        let outcome = match &fx.end {
+            None | Some(End::Ack) => Some(fx.outcome.as_deref().unwrap_or("done")),
+            Some(End::Superseded) => Some("superseded by a newer timer"),
+            _ => None,
+        };
+        if let Some(outcome) = outcome {
+            if w.failpoints.hit("commit") {
+                return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
+            }
+            let n = c
+                .prepare_cached(
+                    "UPDATE items SET st = 'finished', reason = ?3, at = ?4, due = NULL,
+                                      consumer = NULL, stepped = 0
+                     WHERE id = ?1 AND st = 'in_flight' AND lease = ?2",
+                )?
+                .execute(params![id.to_string(), lease as i64, outcome, now_ms()])?;
+            return Ok(if n == 1 {
+                Committed::Done
+            } else {
+                Committed::Conflict
+            });
+        }
+    }
     let owner: Option<(String, i64)> = c
         .prepare_cached("SELECT st, lease FROM items WHERE id = ?1")?
         .query_row([id.to_string()], |r| Ok((r.get(0)?, r.get(1)?)))
@@ -907,14 +958,16 @@ fn commit_wave(
         write_state(c, &s.key, s.value.as_ref())?;
     }
     if w.failpoints.hit("commit") {
-        // Halfway: follow-ups and state are written; the savepoint takes them back.
+        // Halfway: follow-ups and state are written; the batch is rolled back.
         return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
     }
     for (item, reason) in &fx.dead {
         insert_dead(c, item, reason, now)?;
     }
-    c.prepare_cached("DELETE FROM done WHERE item = ?1")?
-        .execute([id.to_string()])?;
+    if w.marked.remove(&id) {
+        c.prepare_cached("DELETE FROM done WHERE item = ?1")?
+            .execute([id.to_string()])?;
+    }
     match fx.end.unwrap_or(End::Ack) {
         End::Ack => finish(c, id, fx.outcome.as_deref().unwrap_or("done"), now)?,
         End::Superseded => finish(c, id, "superseded by a newer timer", now)?,
@@ -1320,7 +1373,8 @@ impl WorkQueue for SqliteQueue {
     }
 
     async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
-        self.write(move |c, _| {
+        self.write(move |c, w| {
+            w.marked.insert(key.item);
             c.prepare_cached(
                 "INSERT OR REPLACE INTO done (item, node, position, outputs) VALUES (?1, ?2, ?3, ?4)",
             )?

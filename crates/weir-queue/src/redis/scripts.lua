@@ -61,15 +61,17 @@ end
 -- records stay for the operator; older ones go.
 local function finish(id, outcome)
   local k = ik(id)
-  local st, flow, dentry = unpack(redis.call('HMGET', k, 'st', 'flow', 'dentry'))
+  local st, flow, dentry, e = unpack(redis.call('HMGET', k, 'st', 'flow', 'dentry', 'entry'))
   if st == 'delayed' then redis.call('ZREM', P .. 'delayed', id) end
   if st == 'parked' then redis.call('LREM', P .. 'parked:' .. flow, 0, id) end
   if st == 'dead' and dentry then redis.call('XDEL', DEAD, dentry) end
-  unstream(k)
+  if e then
+    redis.pcall('XACK', STREAM, G, e)
+    redis.call('XDEL', STREAM, e)
+  end
   redis.call('HSET', k, 'st', 'finished', 'reason', outcome, 'at', NOW)
-  redis.call('HDEL', k, 'due', 'consumer', 'since', 'stepped', 'dentry')
-  redis.call('RPUSH', P .. 'finished', id)
-  if redis.call('LLEN', P .. 'finished') > KEEP then
+  redis.call('HDEL', k, 'due', 'consumer', 'since', 'stepped', 'dentry', 'entry')
+  if redis.call('RPUSH', P .. 'finished', id) > KEEP then
     local old = redis.call('LPOP', P .. 'finished')
     if redis.call('HGET', ik(old), 'st') == 'finished' then
       redis.call('DEL', ik(old))
