@@ -54,12 +54,18 @@ const PROMOTE_BATCH: usize = 1000;
 const RECLAIM_BATCH: usize = 100;
 const RECLAIM_ROUNDS: usize = 10;
 
+/// ARGV[3] the bound on ready items, then six arguments an item (id, flow, deliveries,
+/// enqueued at, due, body): flat, so the bodies travel as they are, not escaped into JSON.
 const ADD: &str = r#"
 local max = tonumber(ARGV[3])
-local items = cjson.decode(ARGV[4])
+local n = (#ARGV - 3) / 6
 local ready = ready_count()
-if ready + #items > max then return {'full', ready} end
-for _, it in ipairs(items) do insert(it) end
+if ready + n > max then return {'full', ready} end
+for i = 0, n - 1 do
+  local a = 4 + 6 * i
+  insert({id = ARGV[a], flow = ARGV[a + 1], deliveries = ARGV[a + 2], enq = ARGV[a + 3],
+    due = ARGV[a + 4], body = ARGV[a + 5]})
+end
 return {'ok', 0}
 "#;
 
@@ -97,55 +103,67 @@ if type(r) == 'table' and r.err then
 end
 local out = {}
 if not r then return out end
-for _, e in ipairs(r[1][2]) do
+local entries = r[1][2]
+if #entries == 0 then return out end
+-- Leases for the whole read in one step: each claim's is new, never reused.
+local lease = redis.call('INCRBY', P .. 'lease', #entries) - #entries
+for _, e in ipairs(entries) do
   local eid = e[1]
   local id = e[2][2]
   local k = ik(id)
-  local st, entry, stepped, body = unpack(redis.call('HMGET', k, 'st', 'entry', 'stepped', 'body'))
+  local st, entry, stepped, body, d =
+    unpack(redis.call('HMGET', k, 'st', 'entry', 'stepped', 'body', 'deliveries'))
   if st ~= 'waiting' or entry ~= eid then
     -- An entry whose item has moved on: nothing to run.
-    redis.call('XACK', STREAM, G, eid)
-    redis.call('XDEL', STREAM, eid)
+    ACKS[#ACKS + 1] = eid
   else
-    local d = redis.call('HINCRBY', k, 'deliveries', 1)
-    local lease = redis.call('INCR', P .. 'lease')
-    redis.call('HSET', k, 'st', 'in_flight', 'consumer', ARGV[3], 'since', NOW, 'lease', lease)
+    d = tonumber(d or '0') + 1
+    lease = lease + 1
+    redis.call('HSET', k, 'st', 'in_flight', 'consumer', ARGV[3], 'since', NOW, 'lease', lease,
+      'deliveries', d)
     out[#out + 1] = {id, d, lease, stepped or '0', body}
   end
 end
 return out
 "#;
 
-/// Several waves' commits in one call (group commit): ARGV[3] is how many, then four
-/// arguments each (id, lease, flow, effects as JSON). Each is checked and applied on its own,
-/// as if alone; the answer is one word per commit: done, conflict or failed (a failpoint).
+/// Several waves' commits in one call (group commit): ARGV[3] is how many, then six
+/// arguments each (id, lease, flow, how it ends, the reason, and the rest of its effects as
+/// JSON, or nothing when it has none). Each is checked and applied on its own, as if alone;
+/// the answer is one word per commit: done, conflict or failed (a failpoint).
 const COMMIT: &str = r#"
-local function commit(id, lease, flow, fx)
+local function commit(id, lease, flow, kind, reason, effects)
   local k = ik(id)
-  local st, cur = unpack(redis.call('HMGET', k, 'st', 'lease'))
+  local st, cur, dentry, e = unpack(redis.call('HMGET', k, 'st', 'lease', 'dentry', 'entry'))
   if st ~= 'in_flight' or cur ~= lease then return 'conflict' end
-  for _, s in ipairs(fx.state) do
-    if tonumber(redis.call('HGET', s.vk, s.key) or '0') ~= s.read then return 'conflict' end
+  local fx = nil
+  if effects ~= '' then
+    fx = cjson.decode(effects)
+    for _, s in ipairs(fx.state) do
+      if tonumber(redis.call('HGET', s.vk, s.key) or '0') ~= s.read then return 'conflict' end
+    end
+    for _, g in ipairs(fx.guards) do
+      if redis.call('HGET', g.hk, g.key) ~= g.want then return 'conflict' end
+    end
   end
-  for _, g in ipairs(fx.guards) do
-    if redis.call('HGET', g.hk, g.key) ~= g.want then return 'conflict' end
-  end
-  if fx.kind == 'park' and redis.call('SISMEMBER', P .. 'paused', flow) == 0 then
+  if kind == 'park' and redis.call('SISMEMBER', P .. 'paused', flow) == 0 then
     return 'conflict'
   end
-  if fx.fail then return 'failed' end
+  if fx and fx.fail then return 'failed' end
   -- Everything is checked; nothing below can fail.
-  for _, it in ipairs(fx.items) do insert(it) end
-  for _, s in ipairs(fx.state) do
-    if s.del then redis.call('HDEL', s.hk, s.key) else redis.call('HSET', s.hk, s.key, s.value) end
-    redis.call('HINCRBY', s.vk, s.key, 1)
+  if fx then
+    for _, it in ipairs(fx.items) do insert(it) end
+    for _, s in ipairs(fx.state) do
+      if s.del then redis.call('HDEL', s.hk, s.key) else redis.call('HSET', s.hk, s.key, s.value) end
+      redis.call('HINCRBY', s.vk, s.key, 1)
+    end
+    for _, d in ipairs(fx.dead) do insert_dead(d, d.reason) end
   end
-  for _, d in ipairs(fx.dead) do insert_dead(d, d.reason) end
   redis.call('DEL', P .. 'done:' .. id)
-  if fx.kind == 'ack' then
-    finish(id, fx.reason)
-  elseif fx.kind == 'dead' then
-    bury(id, fx.reason)
+  if kind == 'ack' then
+    finish(id, reason, {st, flow, dentry, e})
+  elseif kind == 'dead' then
+    bury(id, reason)
   else
     unstream(k)
     redis.call('HSET', k, 'st', 'parked')
@@ -157,8 +175,8 @@ local function commit(id, lease, flow, fx)
 end
 local out = {}
 for i = 0, tonumber(ARGV[3]) - 1 do
-  local a = 4 + 4 * i
-  out[#out + 1] = commit(ARGV[a], ARGV[a + 1], ARGV[a + 2], cjson.decode(ARGV[a + 3]))
+  local a = 4 + 6 * i
+  out[#out + 1] = commit(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
 end
 return out
 "#;
@@ -169,8 +187,7 @@ if type(res) == 'table' and res.err then return {0, '0-0'} end
 local n = 0
 for _, e in ipairs(res[2]) do
   local eid, f = e[1], e[2]
-  redis.call('XACK', STREAM, G, eid)
-  redis.call('XDEL', STREAM, eid)
+  ACKS[#ACKS + 1] = eid
   if f then
     local id = f[2]
     local k = ik(id)
@@ -243,8 +260,7 @@ for _, e in ipairs(p) do
     redis.call('HSET', k, 'since', NOW, 'lease', lease, 'consumer', ARGV[3])
     out[#out + 1] = {id, d, lease, stepped or '0', body}
   else
-    redis.call('XACK', STREAM, G, eid)
-    redis.call('XDEL', STREAM, eid)
+    ACKS[#ACKS + 1] = eid
   end
 end
 return out
@@ -359,7 +375,11 @@ impl Scripts {
         let helpers = HELPERS
             .replace("__FINISHED_KEPT__", &FINISHED_KEPT.to_string())
             .replace("__DEAD_CAP__", &dead_cap.max(1).to_string());
-        let s = |body: &str| Script::new(&format!("{helpers}\n{body}"));
+        let s = |body: &str| {
+            Script::new(&format!(
+                "{helpers}\nlocal function main()\n{body}\nend\nlocal r = main()\nflush()\nreturn r"
+            ))
+        };
         Scripts {
             add: s(ADD),
             add_idempotent: s(ADD_IDEMPOTENT),
@@ -440,8 +460,8 @@ fn corrupt(e: impl std::fmt::Display) -> QueueError {
     QueueError::Corrupt(e.to_string())
 }
 
-/// One commit's script arguments (id, lease, flow, effects) and who waits for its word.
-type GroupedCommit = ([String; 4], oneshot::Sender<Result<String, QueueError>>);
+/// One commit's script arguments (id, lease, flow, end, reason, effects) and who waits for its word.
+type GroupedCommit = ([String; 6], oneshot::Sender<Result<String, QueueError>>);
 
 /// Commits waiting for their shard's next group call.
 #[derive(Default)]
@@ -637,7 +657,7 @@ impl RedisQueue {
 
     /// Commit through shard `p`'s group: commits that arrive while one call is on its way
     /// go together in the next (one script, one fsync on the server), with no timer.
-    async fn commit_grouped(&self, p: &str, args: [String; 4]) -> Result<String, QueueError> {
+    async fn commit_grouped(&self, p: &str, args: [String; 6]) -> Result<String, QueueError> {
         let (tx, rx) = oneshot::channel();
         let lead = {
             let mut groups = self.commits.lock().unwrap_or_else(|e| e.into_inner());
@@ -844,14 +864,21 @@ impl WorkQueue for RedisQueue {
                 .push(it);
         }
         for (p, its) in by_shard {
-            let recs = its
-                .iter()
-                .map(|i| rec(i, None))
-                .collect::<Result<Vec<_>, _>>()?;
-            let payload = serde_json::to_string(&recs).map_err(corrupt)?;
-            let (r, n): (String, i64) = self
-                .run(&self.scripts.add, &p, &[&self.opts.max_ready, &payload])
-                .await?;
+            let mut args: Vec<String> = Vec::with_capacity(1 + 6 * its.len());
+            args.push(self.opts.max_ready.to_string());
+            for it in its {
+                let r = rec(it, None)?;
+                args.extend([
+                    r.id,
+                    it.flow.clone(),
+                    r.deliveries.to_string(),
+                    r.enq,
+                    r.due,
+                    r.body,
+                ]);
+            }
+            let args: Vec<&dyn RedisArg> = args.iter().map(|a| a as &dyn RedisArg).collect();
+            let (r, n): (String, i64) = self.run(&self.scripts.add, &p, &args).await?;
             if r == "full" {
                 return Err(full(n));
             }
@@ -1006,11 +1033,20 @@ impl WorkQueue for RedisQueue {
             .collect::<Result<Vec<_>, QueueError>>()?;
         let fail = self.failpoints.hit("commit");
         let reply_lost = self.failpoints.hit("commit-reply-lost");
-        let payload = serde_json::json!({
-            "kind": kind, "reason": reason, "items": items, "dead": dead,
-            "state": state, "guards": guards, "fail": fail,
-        });
-        let payload = serde_json::to_string(&payload).map_err(corrupt)?;
+        // The common wave ends its item and writes nothing else: no JSON to decode.
+        let effects = if items.is_empty()
+            && dead.is_empty()
+            && state.is_empty()
+            && guards.is_empty()
+            && !fail
+        {
+            String::new()
+        } else {
+            let fx = serde_json::json!({
+                "items": items, "dead": dead, "state": state, "guards": guards, "fail": fail,
+            });
+            serde_json::to_string(&fx).map_err(corrupt)?
+        };
         let r = self
             .commit_grouped(
                 &p,
@@ -1018,7 +1054,9 @@ impl WorkQueue for RedisQueue {
                     item.id.to_string(),
                     claimed.lease.to_string(),
                     item.flow.clone(),
-                    payload,
+                    kind.to_string(),
+                    reason,
+                    effects,
                 ],
             )
             .await?;
