@@ -460,6 +460,14 @@ impl Mosquitto {
         }
     }
 
+    /// The last `n` lines of the broker's log (for a test's failure message).
+    pub fn log_tail(&self, n: usize) -> String {
+        let log =
+            std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
     /// SIGTERM (mosquitto saves its sessions and queued messages) and wait for the exit.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -569,3 +569,76 @@ nodes:
         "server stopped"
     );
 }
+
+/// `respond: wave` answers a wave that writes no node state as soon as it has run (its event
+/// is journaled already; the commit changes nothing the answer shows), and a wave that writes
+/// state only once its commit is kept: no answer ever shows a count that was not kept.
+#[tokio::test]
+async fn respond_wave_answers_stateful_waves_only_after_their_commit() {
+    let flow = r#"
+nodes:
+  echo: { type: webhook, path: echo, respond: wave, timeout: 300ms, to: [answer] }
+  count: { type: webhook, path: count, respond: wave, timeout: 300ms, to: [add] }
+  add:
+    type: function
+    script: |
+      let n = state.get("n");
+      if n == () { n = 0; }
+      n += 1;
+      state.set("n", n);
+      msg.payload = n;
+      msg
+    to: [answer]
+  answer: { type: http-response }
+"#;
+    let fp = Failpoints::new();
+    let e = start(&[("both.yaml", flow)], fp.clone()).await;
+    // The next five commits fail (retried 20, 40, 80, 160, 320 ms apart): well past the
+    // 300 ms the webhooks wait.
+    fp.arm("commit", 5);
+    let r = post_json(&e, "echo", json!("hi")).await;
+    assert_eq!(
+        r.status(),
+        200,
+        "a stateless wave is answered before its commit"
+    );
+    let echo_id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
+    assert_eq!(r.text().await.unwrap(), "hi");
+    wait_finished(&e, &echo_id).await;
+    fp.arm("commit", 5);
+    let r = post_json(&e, "count", json!(null)).await;
+    assert_eq!(
+        r.status(),
+        504,
+        "a stateful wave is not answered while its state cannot be kept"
+    );
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    wait_finished(&e, &id).await;
+    let r = post_json(&e, "count", json!(null)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!(2),
+        "the first count was kept, once"
+    );
+    e.shutdown().await;
+}
+
+/// Wait until item `id` has finished (its wave committed).
+async fn wait_finished(e: &weir::RunningEngine, id: &str) {
+    let deadline = Instant::now() + SECS;
+    loop {
+        let item = get_json(e, &format!("/api/items/{id}")).await;
+        if item["state"] == "finished" {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "item {id} did not finish: {item}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -164,12 +164,31 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     broker.restart();
     publish_range(&device, 300..600).await;
-    wait_for(
-        "all 600, across the broker restart",
-        Duration::from_secs(60),
-        || arrivals(&observer).len() == 600,
-    )
-    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while arrivals(&observer).len() < 600 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seen = arrivals(&observer);
+    if seen.len() < 600 {
+        // Say where the missing ones are: never journaled, stuck in the queue, or lost on
+        // the way out (the engine's counters), with the broker's own log.
+        let missing: Vec<u64> = (0..600).filter(|n| !seen.contains_key(n)).collect();
+        let admin = |path: &'static str| {
+            let url = format!("http://{}{path}", e.addr);
+            async move { reqwest::get(url).await.unwrap().text().await.unwrap() }
+        };
+        let (stats, metrics) = (admin("/api/stats").await, admin("/metrics").await);
+        let counters: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with("weir_events_total") || l.starts_with("weir_items_ended"))
+            .collect();
+        panic!(
+            "{} of 600 arrived after the broker restart; missing: {missing:?}\n\
+             stats: {stats}\ncounters: {counters:#?}\nbroker log:\n{}",
+            seen.len(),
+            broker.log_tail(40)
+        );
+    }
     let stats: Value = reqwest::get(format!("http://{}/api/stats", e.addr))
         .await
         .unwrap()

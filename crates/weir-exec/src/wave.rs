@@ -23,7 +23,7 @@ enum Outcome {
     Abandon,
 }
 
-/// What a wave leaves besides its effects: replies to post after the commit, and the
+/// What a wave leaves besides its effects: its webhook replies, and the
 /// messages that reached nodes with no wires out (a run's outputs).
 #[derive(Default)]
 struct Extras {
@@ -46,6 +46,7 @@ impl Executor {
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) {
         let mut permit = permit;
+        let mut replied = false;
         let span = tracing::info_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
         let started = std::time::Instant::now();
         async {
@@ -60,7 +61,7 @@ impl Executor {
                         Err(_) => Outcome::Commit(self.deadline_passed(&c.item), Extras::default()),
                     },
                 };
-                let (mut fx, extras) = match outcome {
+                let (mut fx, mut extras) = match outcome {
                     Outcome::Abandon => {
                         tracing::warn!("wave abandoned before its commit (failpoint); the item will be redelivered");
                         return;
@@ -76,6 +77,16 @@ impl Executor {
                 if flow.as_ref().is_some_and(|f| f.flow.concurrency > 1) {
                     drop(permit.take());
                 }
+                // A wave that writes no node state answers its webhook now: the event is
+                // journaled already, and its commit can change nothing the answer shows (a
+                // crash before it reruns the same wave for nobody; a conflict can only be
+                // another engine owning the item, which runs the same wave). A wave that
+                // writes state answers after its commit, so no answer shows state that was
+                // not kept.
+                if fx.state.is_empty() && fx.guards.is_empty() {
+                    self.post_replies(&c, std::mem::take(&mut extras.replies), &mut replied)
+                        .await;
+                }
                 if let Err(e) = self.account_run(&c.item, &mut fx, extras.reached).await {
                     tracing::warn!(error = %e, "cannot read the run's record; the item will be redelivered");
                     return;
@@ -85,11 +96,7 @@ impl Executor {
                         let flow = c.item.flow.clone();
                         metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end).increment(1);
                         metrics::histogram!("weir_wave_seconds", "flow" => flow).record(started.elapsed().as_secs_f64());
-                        for r in extras.replies {
-                            if let Err(e) = self.queue.post_reply(c.item.root_id(), r).await {
-                                tracing::warn!(error = %e, "could not post the webhook reply");
-                            }
-                        }
+                        self.post_replies(&c, extras.replies, &mut replied).await;
                         return;
                     }
                     Some(Committed::Conflict) => {
@@ -103,6 +110,19 @@ impl Executor {
         }
         .instrument(span)
         .await
+    }
+
+    /// Post a wave's webhook replies, once per item however often its wave runs.
+    async fn post_replies(&self, c: &Claimed, replies: Vec<Reply>, replied: &mut bool) {
+        if *replied || replies.is_empty() {
+            return;
+        }
+        *replied = true;
+        for r in replies {
+            if let Err(e) = self.queue.post_reply(c.item.root_id(), r).await {
+                tracing::warn!(error = %e, "could not post the webhook reply");
+            }
+        }
     }
 
     /// Commit, retrying while the backend is unavailable (up to the wave deadline).
