@@ -411,7 +411,10 @@ impl Mosquitto {
     fn start_at(port: u16, extra: &str) -> Mosquitto {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let conf = format!(
-            "per_listener_settings false\nallow_anonymous true\npersistence true\n\
+            // `user root`: started as root, mosquitto would otherwise switch to the user
+            // `mosquitto`, which cannot write the test's directory — no persistence file (a
+            // restart would forget every session) and no log.
+            "user root\nper_listener_settings false\nallow_anonymous true\npersistence true\n\
              persistence_location {dir}/\nautosave_interval 1\nmax_queued_messages 1000000\n\
              max_inflight_messages 20\nlog_dest file {dir}/mosquitto.log\n\
              listener {port} 127.0.0.1\n{extra}\n",

@@ -10,9 +10,24 @@ use crate::{ConfigError, NodeError};
 /// Operations a script may run for one message before it is stopped.
 pub const MAX_OPERATIONS: u64 = 1_000_000;
 
-/// An engine with weir's limits.
+/// Rhai's standard library, built once and shared by every engine: building it per engine
+/// (one per node) cost each node's engine its own copy of hundreds of function entries.
+fn standard_library() -> rhai::Shared<rhai::Module> {
+    use rhai::packages::{Package, StandardPackage};
+    static STD: std::sync::OnceLock<rhai::Shared<rhai::Module>> = std::sync::OnceLock::new();
+    STD.get_or_init(|| StandardPackage::new().as_shared_module())
+        .clone()
+}
+
+/// An engine with weir's limits: the standard library, no module resolver (a script cannot
+/// `import` a file), `print` and `debug` into the engine's log.
 pub fn engine() -> Engine {
-    let mut e = Engine::new();
+    let mut e = Engine::new_raw();
+    e.register_global_module(standard_library());
+    e.on_print(|text| tracing::info!(target: "weir::script", "{text}"));
+    e.on_debug(|text, source, pos| {
+        tracing::debug!(target: "weir::script", source = source.unwrap_or(""), %pos, "{text}")
+    });
     e.set_max_operations(MAX_OPERATIONS);
     e.set_max_call_levels(64);
     e.set_max_expr_depths(128, 64);
@@ -244,6 +259,8 @@ mod tests {
         // No way out of the sandbox: there is no file, process or network function.
         let f = fails_with(r#"open("/etc/passwd")"#);
         assert!(f.contains("not found"), "{f}");
+        let i = fails_with(r#"import "/etc/passwd" as p; 1"#);
+        assert!(i.to_lowercase().contains("module"), "{i}");
     }
 
     #[test]
