@@ -191,7 +191,9 @@ async fn bench() {
     println!("weir binary: {}", weir_bin().display());
     println!("queue: sqlite, WAL, synchronous=FULL (every commit fsynced); fsync ceiling here: {fsync:.0}/s");
     println!("load: {CONNECTIONS} keep-alive connections, {duration:?} per run, generator on the same 2 cores\n");
-    let mut summary = Vec::new();
+    let mut summary = vec![format!(
+        "durability: sqlite WAL, synchronous=FULL (every commit fsynced); fsync ceiling in this run {fsync:.0}/s (a request of `respond: wave` waits for one, a 202 for one)"
+    )];
 
     // ---- start to first healthy answer, with the example flows ----
     let examples = tmp.path().join("examples");
