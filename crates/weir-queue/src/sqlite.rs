@@ -115,6 +115,49 @@ fn unjson<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, QueueError> {
     serde_json::from_str(s).map_err(|e| QueueError::Corrupt(e.to_string()))
 }
 
+/// An item encoded for the writer by its caller: the JSON is made on the caller's thread, so
+/// the one writer thread (every durable write goes through it) only runs SQL.
+struct Encoded {
+    id: String,
+    flow: String,
+    /// Not before this time; `None` = ready now.
+    due: Option<i64>,
+    deliveries: u32,
+    enqueued_at: i64,
+    body: String,
+}
+
+impl Encoded {
+    fn new(mut item: WorkItem, now: i64) -> Result<Encoded, QueueError> {
+        let due = item.not_before.filter(|&t| t > now);
+        if due.is_none() {
+            item.not_before = None;
+        }
+        Ok(Encoded {
+            id: item.id.to_string(),
+            flow: item.flow.clone(),
+            due,
+            deliveries: item.deliveries,
+            enqueued_at: item.enqueued_at,
+            body: json(&item)?,
+        })
+    }
+
+    fn all(items: Vec<WorkItem>) -> Result<Vec<Encoded>, QueueError> {
+        let now = now_ms();
+        items.into_iter().map(|i| Encoded::new(i, now)).collect()
+    }
+}
+
+/// A claimed row as the writer hands it out: decoded into a [`Claimed`] by the claimer.
+struct Taken {
+    seq: i64,
+    lease: u64,
+    deliveries: u32,
+    stepped: bool,
+    body: String,
+}
+
 /// What the writer keeps between jobs. Counters only move forward, so a rolled-back job
 /// leaves at worst a gap.
 struct Writer {
@@ -128,9 +171,9 @@ struct Writer {
     woke: bool,
     /// Claimers that found nothing ready, oldest first, each waiting until its deadline.
     waiters: Vec<Waiter>,
-    /// Items claimed for a claimer that had gone before the answer reached it: made ready
-    /// again at the start of the next transaction.
-    orphans: Vec<Ulid>,
+    /// Items (by `seq`) claimed for a claimer that had gone before the answer reached it:
+    /// made ready again at the start of the next transaction.
+    orphans: Vec<i64>,
     /// Items with done markers (so a commit deletes markers only where there are some).
     /// Never missing one: read from the file at open and again after a rollback.
     marked: std::collections::HashSet<Ulid>,
@@ -140,7 +183,7 @@ struct Writer {
     failpoints: Failpoints,
 }
 
-type ClaimAnswer = Result<Vec<Claimed>, QueueError>;
+type ClaimAnswer = Result<Vec<Taken>, QueueError>;
 
 /// A claim that found nothing ready and waits in the writer: the next job that makes items
 /// ready claims them for it inside its own transaction, so an item added while an engine is
@@ -548,7 +591,7 @@ fn write_loop(
                         }
                         Held::Claim(x, got) => {
                             if let Err(Ok(items)) = x.reply.send(got) {
-                                w.orphans.extend(items.iter().map(|c| c.item.id));
+                                w.orphans.extend(items.iter().map(|t| t.seq));
                             }
                         }
                     }
@@ -692,12 +735,12 @@ fn serve_waiters(
 }
 
 /// Make ready again items claimed for a claimer that was gone (their delivery stays counted).
-fn ready_again(c: &Connection, w: &mut Writer, ids: &[Ulid]) -> Result<(), QueueError> {
+fn ready_again(c: &Connection, w: &mut Writer, seqs: &[i64]) -> Result<(), QueueError> {
     let mut up = c.prepare_cached(
-        "UPDATE items SET st = 'waiting', consumer = NULL WHERE id = ?1 AND st = 'in_flight'",
+        "UPDATE items SET st = 'waiting', consumer = NULL WHERE seq = ?1 AND st = 'in_flight'",
     )?;
-    for id in ids {
-        let n = up.execute([id.to_string()])?;
+    for seq in seqs {
+        let n = up.execute([seq])?;
         if n > 0 {
             w.ready += 1;
             w.woke = true;
@@ -738,16 +781,15 @@ fn prune(conn: &Connection) -> Result<(), rusqlite::Error> {
 
 // ---- the writer's operations: plain functions over a connection inside a transaction ----
 
-fn insert(c: &Connection, w: &mut Writer, mut item: WorkItem, now: i64) -> Result<(), QueueError> {
-    let (st, due, ord) = match item.not_before {
-        Some(t) if t > now => {
+fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueError> {
+    let (st, ord) = match row.due {
+        Some(t) => {
             w.next_due = Some(w.next_due.map_or(t, |d| d.min(t)));
-            ("delayed", Some(t), None)
+            ("delayed", None)
         }
-        _ => {
-            item.not_before = None;
+        None => {
             w.ord += 1;
-            ("waiting", None, Some(w.ord))
+            ("waiting", Some(w.ord))
         }
     };
     // An id seen before is the same item added again (a retried add): keep the first.
@@ -757,14 +799,14 @@ fn insert(c: &Connection, w: &mut Writer, mut item: WorkItem, now: i64) -> Resul
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
         )?
         .execute(params![
-            item.id.to_string(),
-            item.flow,
+            row.id,
+            row.flow,
             st,
             ord,
-            due,
-            item.deliveries,
-            item.enqueued_at,
-            json(&item)?
+            row.due,
+            row.deliveries,
+            row.enqueued_at,
+            row.body
         ])?;
     if n > 0 && st == "waiting" {
         w.ready += 1;
@@ -773,19 +815,19 @@ fn insert(c: &Connection, w: &mut Writer, mut item: WorkItem, now: i64) -> Resul
     Ok(())
 }
 
-fn insert_dead(c: &Connection, item: &WorkItem, reason: &str, now: i64) -> Result<(), QueueError> {
+fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<(), QueueError> {
     c.prepare_cached(
         "INSERT OR IGNORE INTO items (id, flow, st, deliveries, reason, at, enqueued_at, body)
          VALUES (?1, ?2, 'dead', ?3, ?4, ?5, ?6, ?7)",
     )?
     .execute(params![
-        item.id.to_string(),
-        item.flow,
-        item.deliveries,
+        row.id,
+        row.flow,
+        row.deliveries,
         reason,
         now,
-        item.enqueued_at,
-        json(item)?
+        row.enqueued_at,
+        row.body
     ])?;
     Ok(())
 }
@@ -890,6 +932,27 @@ fn finish(c: &Connection, id: Ulid, outcome: &str, now: i64) -> Result<(), Queue
     Ok(())
 }
 
+/// A wave's new items, encoded by the committer: its follow-ups and delayed items, and its
+/// dead children with their reasons.
+struct NewRows {
+    items: Vec<Encoded>,
+    dead: Vec<(Encoded, String)>,
+}
+
+impl NewRows {
+    /// Takes the wave's items out of `fx`.
+    fn take(fx: &mut WaveEffects) -> Result<NewRows, QueueError> {
+        let mut items = Encoded::all(std::mem::take(&mut fx.follow_ups))?;
+        items.extend(Encoded::all(std::mem::take(&mut fx.delayed))?);
+        let now = now_ms();
+        let dead = std::mem::take(&mut fx.dead)
+            .into_iter()
+            .map(|(item, why)| Ok((Encoded::new(item, now)?, why)))
+            .collect::<Result<_, QueueError>>()?;
+        Ok(NewRows { items, dead })
+    }
+}
+
 fn commit_wave(
     c: &Connection,
     w: &mut Writer,
@@ -897,10 +960,10 @@ fn commit_wave(
     lease: u64,
     flow: &str,
     fx: WaveEffects,
+    new: NewRows,
 ) -> Result<Committed, QueueError> {
-    let plain = fx.follow_ups.is_empty()
-        && fx.delayed.is_empty()
-        && fx.dead.is_empty()
+    let plain = new.items.is_empty()
+        && new.dead.is_empty()
         && fx.state.is_empty()
         && fx.guards.is_empty()
         && !w.marked.contains(&id);
@@ -951,8 +1014,8 @@ fn commit_wave(
         return Ok(Committed::Conflict);
     }
     let now = now_ms();
-    for item in fx.follow_ups.into_iter().chain(fx.delayed) {
-        insert(c, w, item, now)?;
+    for row in &new.items {
+        insert(c, w, row)?;
     }
     for s in &fx.state {
         write_state(c, &s.key, s.value.as_ref())?;
@@ -961,8 +1024,8 @@ fn commit_wave(
         // Halfway: follow-ups and state are written; the batch is rolled back.
         return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
     }
-    for (item, reason) in &fx.dead {
-        insert_dead(c, item, reason, now)?;
+    for (row, reason) in &new.dead {
+        insert_dead(c, row, reason, now)?;
     }
     if w.marked.remove(&id) {
         c.prepare_cached("DELETE FROM done WHERE item = ?1")?
@@ -1000,7 +1063,7 @@ fn claim_ready(
     w: &mut Writer,
     consumer: &str,
     max: usize,
-) -> Result<Vec<Claimed>, QueueError> {
+) -> Result<Vec<Taken>, QueueError> {
     let rows: Vec<(i64, String, u32, bool)> = c
         .prepare_cached(
             "SELECT seq, body, deliveries, stepped FROM items
@@ -1018,29 +1081,14 @@ fn claim_ready(
     )?;
     for (seq, body, deliveries, stepped) in rows {
         w.lease += 1;
-        let mut item: WorkItem = match unjson(&body) {
-            Ok(item) => item,
-            Err(e) => {
-                // A poison row: set it aside with the reason, and hand out the ones behind it.
-                tracing::error!(seq, error = %e, "an item that cannot be decoded is dead-lettered");
-                c.prepare_cached(
-                    "UPDATE items SET st = 'dead', reason = ?2, at = ?3, deliveries = deliveries + 1
-                     WHERE seq = ?1",
-                )?
-                .execute(params![seq, format!("undecodable item: {e}"), now])?;
-                w.ready -= 1;
-                continue;
-            }
-        };
-        item.deliveries = deliveries + 1;
-        item.not_before = None;
-        take.execute(params![seq, item.deliveries, w.lease as i64, consumer, now])?;
+        take.execute(params![seq, deliveries + 1, w.lease as i64, consumer, now])?;
         w.ready -= 1;
-        out.push(Claimed {
-            item,
+        out.push(Taken {
+            seq,
             lease: w.lease,
-            consumer: consumer.to_string(),
+            deliveries: deliveries + 1,
             stepped,
+            body,
         });
     }
     Ok(out)
@@ -1126,13 +1174,13 @@ impl WorkQueue for SqliteQueue {
 
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let max = self.max_ready;
+        let rows = Encoded::all(items)?;
         self.write(move |c, w| {
-            if w.ready + items.len() as i64 > max {
+            if w.ready + rows.len() as i64 > max {
                 return Err(QueueError::Full(w.ready.max(0) as usize));
             }
-            let now = now_ms();
-            for item in items {
-                insert(c, w, item, now)?;
+            for row in &rows {
+                insert(c, w, row)?;
             }
             Ok(())
         })
@@ -1142,6 +1190,8 @@ impl WorkQueue for SqliteQueue {
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
         let key = key.to_string();
         let max = self.max_ready;
+        let id = item.id;
+        let row = Encoded::new(item, now_ms())?;
         self.write(move |c, w| {
             let first: Option<String> = c
                 .prepare_cached("SELECT id FROM idempotency WHERE key = ?1")?
@@ -1155,11 +1205,9 @@ impl WorkQueue for SqliteQueue {
             if w.ready >= max {
                 return Err(QueueError::Full(w.ready.max(0) as usize));
             }
-            let now = now_ms();
-            let id = item.id;
             c.prepare_cached("INSERT INTO idempotency (key, id, at) VALUES (?1, ?2, ?3)")?
-                .execute(params![key, id.to_string(), now])?;
-            insert(c, w, item, now)?;
+                .execute(params![key, row.id, now_ms()])?;
+            insert(c, w, &row)?;
             Ok((id, true))
         })
         .await
@@ -1172,13 +1220,14 @@ impl WorkQueue for SqliteQueue {
         item: WorkItem,
     ) -> Result<bool, QueueError> {
         let key = key.clone();
+        let row = Encoded::new(item, now_ms())?;
         self.write(move |c, w| {
             let last = read_state(c, &key)?.value.and_then(|v| v.as_i64());
             if last.is_some_and(|l| l >= tick) {
                 return Ok(false);
             }
             write_state(c, &key, Some(&tick.into()))?;
-            insert(c, w, item, now_ms())?;
+            insert(c, w, &row)?;
             Ok(true)
         })
         .await
@@ -1202,13 +1251,52 @@ impl WorkQueue for SqliteQueue {
                 reply,
             }))
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
-        rx.await
-            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?
+        let taken = rx
+            .await
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))??;
+        // Decoded here, off the writer's thread.
+        let mut out = Vec::with_capacity(taken.len());
+        for t in taken {
+            match unjson::<WorkItem>(&t.body) {
+                Ok(mut item) => {
+                    item.deliveries = t.deliveries;
+                    item.not_before = None;
+                    out.push(Claimed {
+                        item,
+                        lease: t.lease,
+                        consumer: consumer.to_string(),
+                        stepped: t.stepped,
+                    });
+                }
+                Err(e) => {
+                    // A poison row: set aside with the reason; the ones around it go on.
+                    tracing::error!(seq = t.seq, error = %e, "an item that cannot be decoded is dead-lettered");
+                    let reason = format!("undecodable item: {e}");
+                    self.write(move |c, _| {
+                        c.prepare_cached(
+                            "UPDATE items SET st = 'dead', reason = ?3, at = ?4, consumer = NULL
+                             WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2",
+                        )?
+                        .execute(params![
+                            t.seq,
+                            t.lease as i64,
+                            reason,
+                            now_ms()
+                        ])?;
+                        Ok(())
+                    })
+                    .await?;
+                }
+            }
+        }
+        Ok(out)
     }
 
     async fn commit(&self, claimed: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
         let (id, lease, flow) = (claimed.item.id, claimed.lease, claimed.item.flow.clone());
-        self.write(move |c, w| commit_wave(c, w, id, lease, &flow, fx))
+        let mut fx = fx;
+        let new = NewRows::take(&mut fx)?;
+        self.write(move |c, w| commit_wave(c, w, id, lease, &flow, fx, new))
             .await
     }
 
@@ -1517,7 +1605,7 @@ impl WorkQueue for SqliteQueue {
             let new_id = item.id;
             let now = now_ms();
             finish(c, id, &format!("replayed as {new_id}"), now)?;
-            insert(c, w, item, now)?;
+            insert(c, w, &Encoded::new(item, now)?)?;
             Ok(new_id)
         })
         .await
