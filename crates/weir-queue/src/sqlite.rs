@@ -1270,10 +1270,14 @@ impl WorkQueue for SqliteQueue {
                 }
                 Err(e) => {
                     // A poison row: set aside with the reason; the ones around it go on.
+                    // If setting it aside fails, the items claimed with it are still handed
+                    // out (dropping them would strand them in flight); the poison row stays
+                    // in flight until a reclaim pass or the next start brings it back.
                     tracing::error!(seq = t.seq, error = %e, "an item that cannot be decoded is dead-lettered");
                     let reason = format!("undecodable item: {e}");
-                    self.write(move |c, _| {
-                        c.prepare_cached(
+                    let buried = self
+                        .write(move |c, _| {
+                            c.prepare_cached(
                             "UPDATE items SET st = 'dead', reason = ?3, at = ?4, consumer = NULL
                              WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2",
                         )?
@@ -1283,9 +1287,12 @@ impl WorkQueue for SqliteQueue {
                             reason,
                             now_ms()
                         ])?;
-                        Ok(())
-                    })
-                    .await?;
+                            Ok(())
+                        })
+                        .await;
+                    if let Err(e) = buried {
+                        tracing::warn!(seq = t.seq, error = %e, "could not dead-letter an undecodable item; it comes back after a reclaim pass or a restart");
+                    }
                 }
             }
         }

@@ -58,6 +58,7 @@ const RECLAIM_ROUNDS: usize = 10;
 /// enqueued at, due, body): flat, so the bodies travel as they are, not escaped into JSON.
 const ADD: &str = r#"
 local max = tonumber(ARGV[3])
+if (#ARGV - 3) % 6 ~= 0 then return redis.error_reply('weir add: six arguments an item') end
 local n = (#ARGV - 3) / 6
 local ready = ready_count()
 if ready + n > max then return {'full', ready} end
