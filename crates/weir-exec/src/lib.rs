@@ -59,7 +59,7 @@ pub struct ExecConfig {
 impl Default for ExecConfig {
     fn default() -> Self {
         ExecConfig {
-            consumer: format!("weir-{}", ulid::Ulid::new()),
+            consumer: consumer_name(),
             max_deliveries: 5,
             step_bound: 1000,
             node_timeout: Duration::from_secs(30),
@@ -76,6 +76,20 @@ impl Default for ExecConfig {
             max_parked: 100_000,
         }
     }
+}
+
+/// A consumer name an operator can read and no other engine shares: host, process id and a
+/// random suffix (`web-1-4242-7kq2m`), as `XINFO CONSUMERS` and `weir queue show` print it.
+pub fn consumer_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "weir".into());
+    // The ULID's last characters are its random part.
+    let id = ulid::Ulid::new().to_string().to_lowercase();
+    format!("{host}-{}-{}", std::process::id(), &id[id.len() - 5..])
 }
 
 /// A loaded flow with what the executor keeps for it.
@@ -313,6 +327,18 @@ impl Executor {
             .is_err()
         {
             tracing::warn!("waves still running at the end of the shutdown grace period; they will be redelivered");
+        }
+        // What this engine still holds goes back to the queue now, not after the reclaim
+        // delay; a wave still running past the grace period has its commit refused.
+        match self.queue.release(&self.cfg.consumer).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                count = n,
+                "handed back the items this engine held but did not finish"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not hand back the items this engine holds; other engines take them after the reclaim delay")
+            }
         }
     }
 

@@ -202,6 +202,26 @@ impl<'a> NodeCx<'a> {
             .map_err(|e| NodeError::transient(e.to_string()))
     }
 
+    /// Whether the backend keeps quotas every engine shares (see [`take_quota`](Self::take_quota)).
+    pub fn shares_quotas(&self) -> bool {
+        self.store.shares_quotas()
+    }
+
+    /// Take up to `want` passes from this node's quota `key`, shared by every engine on the
+    /// backend. Spent at once, not with the wave's commit.
+    pub async fn take_quota(
+        &self,
+        key: &str,
+        every: Duration,
+        burst: u32,
+        want: u32,
+    ) -> Result<weir_state::Quota, NodeError> {
+        self.store
+            .take_quota(&self.key(key), every, burst, want)
+            .await
+            .map_err(|e| NodeError::transient(format!("shared quota: {e}")))
+    }
+
     /// This node's whole memory.
     pub async fn get_all(&mut self) -> Result<BTreeMap<String, Value>, NodeError> {
         self.overlay

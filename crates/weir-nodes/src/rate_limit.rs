@@ -11,8 +11,13 @@
 //! - Past `max_queue` held messages the oldest is dropped as a **dead letter** with the
 //!   reason: visible and replayable, never silent. `overflow: drop` drops over-quota messages
 //!   instead of holding them and counts them (`dropped` in the node's memory).
-//! - The quota's counters are governor's, in memory: after a restart a key may pass one
-//!   extra burst. What is held survives, and so do the flush items.
+//! - **Scope.** `scope: cluster` (the default) shares one quota among every engine on the
+//!   backend: on Redis a GCRA script keeps it, by the server's clock, one round trip per
+//!   message that arrives while nothing is held (a flush takes all it may in one). Where one
+//!   engine holds the backend (SQLite, memory), and with `scope: engine`, the quota is
+//!   governor's, in this engine's memory: N engines then pass N times the rate, and after a
+//!   restart a key may pass one extra burst. What is held always survives, with the flush
+//!   items.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +44,9 @@ struct Config {
     per: Option<Spanned<String>>,
     #[serde(default)]
     overflow: Overflow,
+    /// Whose quota: every engine's on a shared backend (`cluster`), or this engine's alone.
+    #[serde(default)]
+    scope: Scope,
     /// Held messages per key at most; past it the oldest becomes a dead letter.
     #[serde(default = "max_queue")]
     max_queue: Spanned<u64>,
@@ -59,6 +67,14 @@ enum Overflow {
     #[default]
     Queue,
     Drop,
+}
+
+#[derive(Deserialize, Default, Clone, Copy, PartialEq)]
+#[serde(rename_all = "lowercase")]
+enum Scope {
+    #[default]
+    Cluster,
+    Engine,
 }
 
 /// Messages one flush releases at most (the rest wait for the next flush, at once).
@@ -100,10 +116,13 @@ impl NodeFactory for Factory {
                 })
                 .ok()
         });
-        match limiter {
-            Some(limiter) if errors.is_empty() => Ok(Built {
+        match (limiter, rate) {
+            (Some(limiter), Some((n, period))) if errors.is_empty() => Ok(Built {
                 node: Arc::new(RateLimit {
                     limiter,
+                    every: period / n,
+                    burst: c.burst.as_ref().map(|b| b.value).unwrap_or(n),
+                    scope: c.scope,
                     engine,
                     per,
                     overflow: c.overflow,
@@ -118,6 +137,10 @@ impl NodeFactory for Factory {
 
 struct RateLimit {
     limiter: Limiter,
+    /// One pass every this long, bursts of `burst`: the quota as the shared GCRA takes it.
+    every: Duration,
+    burst: u32,
+    scope: Scope,
     engine: Engine,
     per: Option<AST>,
     overflow: Overflow,
@@ -144,6 +167,29 @@ impl RateLimit {
         })
     }
 
+    /// Take up to `want` passes of `key`'s quota: how many, and when the next is there.
+    async fn take(
+        &self,
+        cx: &NodeCx<'_>,
+        key: &str,
+        want: u32,
+    ) -> Result<(u32, Duration), NodeError> {
+        if self.scope == Scope::Cluster && cx.shares_quotas() {
+            let q = cx
+                .take_quota(&format!("quota/{key}"), self.every, self.burst, want)
+                .await?;
+            return Ok((q.granted, q.next_in));
+        }
+        let mut granted = 0;
+        while granted < want {
+            match self.limiter.check(key) {
+                Ok(()) => granted += 1,
+                Err(wait) => return Ok((granted, wait)),
+            }
+        }
+        Ok((granted, Duration::ZERO))
+    }
+
     /// Schedule the key's next flush (voiding any other) for `after` from now.
     async fn schedule(
         &self,
@@ -166,9 +212,9 @@ impl RateLimit {
         let mut head = int(cx.get(&hk).await?);
         let tail = int(cx.get(&tk).await?);
         let wait = if head >= tail {
-            match self.limiter.check(&key) {
-                Ok(()) => return Ok(Emit::one(msg)),
-                Err(wait) => Some(wait),
+            match self.take(cx, &key, 1).await? {
+                (1, _) => return Ok(Emit::one(msg)),
+                (_, wait) => Some(wait),
             }
         } else {
             None
@@ -234,22 +280,19 @@ impl RateLimit {
         let mut head = int(cx.get(&hk).await?);
         let tail = int(cx.get(&tk).await?);
         let mut out = Vec::new();
-        let mut next = Duration::ZERO;
-        while head < tail && out.len() < RELEASE_MAX {
-            match self.limiter.check(&key) {
-                Ok(()) => {
-                    let k = held_key(&key, head);
-                    if let Some(m) = cx.get(&k).await? {
-                        out.push(m);
-                    }
-                    cx.set(&k, None).await?;
-                    head += 1;
-                }
-                Err(w) => {
-                    next = w;
-                    break;
-                }
+        let want = tail.saturating_sub(head).min(RELEASE_MAX as u64) as u32;
+        let (granted, mut next) = self.take(cx, &key, want).await?;
+        for _ in 0..granted {
+            let k = held_key(&key, head);
+            if let Some(m) = cx.get(&k).await? {
+                out.push(m);
             }
+            cx.set(&k, None).await?;
+            head += 1;
+        }
+        if granted == want && head < tail {
+            // RELEASE_MAX reached: the rest at once, in the next flush.
+            next = Duration::ZERO;
         }
         if head < tail {
             cx.set(&hk, Some(head.into())).await?;

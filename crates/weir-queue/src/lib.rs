@@ -309,6 +309,16 @@ pub trait WorkQueue: StateRead + Send + Sync {
         Ok(0)
     }
 
+    /// At a clean shutdown, after the last wave this engine will run: make claimable at once
+    /// whatever `consumer` still holds (claimed, never committed), and forget the consumer,
+    /// so that a stopped engine leaves nothing pending for the others to wait out. A late
+    /// commit of a released item is refused. The default does nothing (a backend whose file
+    /// one engine holds takes everything back when it opens).
+    async fn release(&self, consumer: &str) -> Result<usize, QueueError> {
+        let _ = consumer;
+        Ok(0)
+    }
+
     /// Promote delayed items due at `now` (ms); returns how many.
     async fn move_due(&self, now: i64) -> Result<usize, QueueError>;
 

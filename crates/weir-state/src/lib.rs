@@ -59,6 +59,36 @@ pub trait StateRead: Send + Sync {
         flow: &str,
         node: &str,
     ) -> Result<Vec<(String, Versioned)>, StateError>;
+
+    /// Whether every engine on this backend can share a quota through it
+    /// ([`take_quota`](Self::take_quota)). `false` where one engine holds the backend: a
+    /// quota kept in that engine's memory is already the only one.
+    fn shares_quotas(&self) -> bool {
+        false
+    }
+
+    /// Take up to `want` passes from the quota `key` (one pass every `every`, bursts of
+    /// `burst`), shared by every engine on this backend, measured by the backend's clock.
+    /// Returns how many were granted and, when fewer than `want`, how long until the next.
+    /// A pass once taken is spent, whatever becomes of the wave that took it.
+    async fn take_quota(
+        &self,
+        key: &StateKey,
+        every: std::time::Duration,
+        burst: u32,
+        want: u32,
+    ) -> Result<Quota, StateError> {
+        let _ = (key, every, burst, want);
+        Err(StateError("this backend keeps no shared quotas".into()))
+    }
+}
+
+/// What [`StateRead::take_quota`] granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub granted: u32,
+    /// Until the next pass (zero when `granted` is all that was asked for).
+    pub next_in: std::time::Duration,
 }
 
 /// One wave's view of state: committed values as first read, plus its own writes.

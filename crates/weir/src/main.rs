@@ -54,7 +54,7 @@ enum Cmd {
         grace: u64,
         /// This engine's name as a consumer of a shared (Redis) queue. A stable name lets a
         /// restarted engine take back at once what it left in flight; it must be unique among
-        /// the engines sharing the queue. Default: a fresh name each start.
+        /// the engines sharing the queue. Default: HOST-PID-RANDOM, fresh each start.
         #[arg(long, env = "WEIR_CONSUMER")]
         consumer: Option<String>,
         /// Seconds an item may sit in flight at another (dead or stalled) engine before this

@@ -71,6 +71,12 @@ pub fn index(p: &str) -> String {
     format!("{p}index")
 }
 
+/// A rate limit's quota shared by every engine (GCRA: the theoretical arrival time, in µs
+/// of the server's clock), in its flow's shard; it expires once the quota is full again.
+pub fn quota(p: &str, flow: &str, node: &str, key: &str) -> String {
+    format!("{p}quota:{}:{flow}:{}:{node}:{key}", flow.len(), node.len())
+}
+
 /// The reply to a `respond: wave` webhook, which any engine may post.
 pub fn reply(ns: &str, id: &str) -> String {
     format!("{{{ns}:replies}}:{id}")

@@ -185,6 +185,20 @@ return out
 const RECLAIM: &str = r#"
 local res = redis.pcall('XAUTOCLAIM', STREAM, G, ARGV[3], ARGV[4], ARGV[5], 'COUNT', ARGV[6])
 if type(res) == 'table' and res.err then return {0, '0-0'} end
+if ARGV[5] == '0-0' then
+  -- Once a pass: forget consumers that hold nothing and have not read for as long as an
+  -- item may idle (engines that died or stopped; a living one is made again by its next read).
+  local cs = redis.pcall('XINFO', 'CONSUMERS', STREAM, G)
+  if type(cs) == 'table' and not cs.err then
+    for _, c in ipairs(cs) do
+      local f = {}
+      for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+      if f.pending == 0 and tonumber(f.idle) > tonumber(ARGV[4]) and f.name ~= ARGV[3] then
+        redis.call('XGROUP', 'DELCONSUMER', STREAM, G, f.name)
+      end
+    end
+  end
+end
 local n = 0
 for _, e in ipairs(res[2]) do
   local eid, f = e[1], e[2]
@@ -200,6 +214,60 @@ for _, e in ipairs(res[2]) do
   end
 end
 return {n, res[1]}
+"#;
+
+/// A clean shutdown: ARGV[3] the consumer, ARGV[4] how many entries to look at. Its pending
+/// entries are made ready again (each a new entry; the old one acknowledged and deleted);
+/// when it holds nothing more, the consumer is deleted. Answers {released, still pending}.
+const RELEASE: &str = r#"
+local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
+if type(p) == 'table' and p.err then return {0, 0} end
+local n = 0
+for _, e in ipairs(p) do
+  local eid = e[1]
+  ACKS[#ACKS + 1] = eid
+  local r = redis.call('XRANGE', STREAM, eid, eid)[1]
+  if r then
+    local id = r[2][2]
+    local st, entry = unpack(redis.call('HMGET', ik(id), 'st', 'entry'))
+    if st == 'in_flight' and entry == eid then
+      make_ready(id, false)
+      n = n + 1
+    end
+  end
+end
+local left = 0
+if #p < tonumber(ARGV[4]) then
+  flush()
+  redis.call('XGROUP', 'DELCONSUMER', STREAM, G, ARGV[3])
+else
+  left = #p
+end
+return {n, left}
+"#;
+
+/// GCRA over KEYS[1] (the theoretical arrival time in µs, by the server's clock, so that
+/// engines' clocks need not agree): ARGV one pass every N µs, the burst, how many are wanted.
+/// Answers {granted, µs until the next pass}. Standalone (not wrapped with the helpers).
+const QUOTA: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local every = tonumber(ARGV[1])
+local tau = every * (tonumber(ARGV[2]) - 1)
+local want = tonumber(ARGV[3])
+local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tat < now then tat = now end
+local granted = 0
+if tat - tau <= now then
+  granted = math.min(want, math.floor((now + tau - tat) / every) + 1)
+end
+if granted > 0 then
+  tat = tat + granted * every
+  redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil((tat - now) / 1000) + 1)
+end
+local next_in = 0
+if granted < want then next_in = math.max(tat - tau - now, 0) end
+return {granted, string.format('%.0f', next_in)}
 "#;
 
 const BURY: &str = r#"
@@ -359,6 +427,8 @@ struct Scripts {
     commit: Script,
     reclaim: Script,
     recover: Script,
+    release: Script,
+    quota: Script,
     bury: Script,
     prune: Script,
     move_due: Script,
@@ -389,6 +459,8 @@ impl Scripts {
             commit: s(COMMIT),
             reclaim: s(RECLAIM),
             recover: s(RECOVER),
+            release: s(RELEASE),
+            quota: Script::new(QUOTA),
             bury: s(BURY),
             prune: s(PRUNE),
             move_due: s(MOVE_DUE),
@@ -814,6 +886,36 @@ impl StateRead for RedisQueue {
         })
     }
 
+    fn shares_quotas(&self) -> bool {
+        true
+    }
+
+    async fn take_quota(
+        &self,
+        key: &StateKey,
+        every: Duration,
+        burst: u32,
+        want: u32,
+    ) -> Result<weir_state::Quota, StateError> {
+        let p = self.prefix_of(&key.flow);
+        let k = keys::quota(&p, &key.flow, &key.node, &key.key);
+        let mut c = self.conn.clone();
+        let (granted, next_us): (u32, u64) = self
+            .scripts
+            .quota
+            .key(k)
+            .arg(every.as_micros().max(1) as u64)
+            .arg(burst.max(1))
+            .arg(want)
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| StateError(e.to_string()))?;
+        Ok(weir_state::Quota {
+            granted,
+            next_in: Duration::from_micros(next_us),
+        })
+    }
+
     async fn read_node(
         &self,
         flow: &str,
@@ -1141,6 +1243,22 @@ impl WorkQueue for RedisQueue {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend(back);
+        Ok(n)
+    }
+
+    async fn release(&self, consumer: &str) -> Result<usize, QueueError> {
+        let mut n = 0;
+        for p in self.prefixes() {
+            for _ in 0..RECLAIM_ROUNDS {
+                let (got, left): (usize, usize) = self
+                    .run(&self.scripts.release, &p, &[&consumer, &RECLAIM_BATCH])
+                    .await?;
+                n += got;
+                if left == 0 {
+                    break;
+                }
+            }
+        }
         Ok(n)
     }
 

@@ -1,0 +1,379 @@
+//! Several engines on one Redis (DESIGN §10, docs/scaling.md): they share the work, the
+//! quota, the cron ticks and the operator's view, hand back what they hold when they stop,
+//! and lose nothing when one of them, or Redis, dies.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use weir::queue::{RedisOptions, RedisQueue, StateKey, StateRead, WorkQueue};
+use weir::{Failpoints, RunningEngine};
+use weir_queue::testing::RedisServer;
+use weir_testkit::{
+    get_json, post_admin, post_json, start_exec, start_on, test_exec, wait_for, Sink,
+};
+
+/// Which engine sent each body the sink received (`by`), and how many each.
+fn by_engine(sink: &Sink) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for b in sink.bodies() {
+        *m.entry(b["by"].as_str().unwrap_or("?").to_string())
+            .or_insert(0) += 1;
+    }
+    m
+}
+
+async fn post_to(base: &str, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+fn admin(e: &RunningEngine) -> String {
+    format!("http://{}", e.admin_addr)
+}
+
+#[tokio::test]
+async fn a_quota_taken_through_two_connections_is_one_quota() {
+    let redis = RedisServer::start();
+    let a = RedisQueue::connect(&redis.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    let b = RedisQueue::connect(&redis.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    assert!(a.shares_quotas());
+    let key = StateKey::new("f", "limit", "quota/");
+    let second = Duration::from_secs(1);
+    // One a second, bursts of 3: three pass at once, the fourth waits about a second,
+    // whichever engine asks.
+    let first = a.take_quota(&key, second, 3, 2).await.unwrap();
+    assert_eq!((first.granted, first.next_in), (2, Duration::ZERO));
+    let rest = b.take_quota(&key, second, 3, 5).await.unwrap();
+    assert_eq!(rest.granted, 1, "the burst is shared: {rest:?}");
+    assert!(
+        rest.next_in > Duration::from_millis(500) && rest.next_in <= second,
+        "{rest:?}"
+    );
+    assert_eq!(a.take_quota(&key, second, 3, 1).await.unwrap().granted, 0);
+    let other = StateKey::new("f", "limit", "quota/other");
+    assert_eq!(b.take_quota(&other, second, 3, 3).await.unwrap().granted, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_behind_one_five_a_second_quota_pass_about_five_a_second() {
+    let redis = RedisServer::start();
+    let sink = Sink::start().await;
+    let flow = |by: &str| {
+        format!(
+            r#"
+id: limited
+nodes:
+  in: {{ type: webhook, path: in, to: [limit] }}
+  limit: {{ type: rate-limit, rate: 5/s, to: [mark] }}
+  mark: {{ type: set, set: {{ payload.by: {by} }}, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+            sink.url("got")
+        )
+    };
+    let (fa, fb) = (flow("a"), flow("b"));
+    let a = start_on(&redis.url(), &[("limited.yaml", &fa)], Failpoints::new()).await;
+    let b = start_on(&redis.url(), &[("limited.yaml", &fb)], Failpoints::new()).await;
+    let t0 = Instant::now();
+    for n in 0..30 {
+        let e = if n % 2 == 0 { &a } else { &b };
+        assert_eq!(post_json(e, "in", json!({ "n": n })).await.status(), 202);
+    }
+    wait_for(
+        "all 30 through the shared limit",
+        Duration::from_secs(40),
+        || sink.count() == 30,
+    )
+    .await;
+    let times: Vec<f64> = sink
+        .received()
+        .iter()
+        .map(|(t, _)| t.duration_since(t0).as_secs_f64())
+        .collect();
+    let mut per_second = BTreeMap::new();
+    for t in &times {
+        *per_second.entry(*t as u64).or_insert(0) += 1;
+    }
+    let spread = times[29] - times[0];
+    println!(
+        "30 messages in {spread:.1} s ({:.1}/s after the burst of 5); per second {per_second:?}; by engine {:?}",
+        25.0 / spread,
+        by_engine(&sink)
+    );
+    // One shared quota: a burst of 5, then 25 at 5/s: about 5 s. Two quotas of their own
+    // would pass a burst of 10 and then 10/s: about 2 s.
+    assert!(
+        spread >= 4.3,
+        "the engines passed more than the one quota allows: 30 in {spread:.1} s"
+    );
+    let mut ns: Vec<u64> = sink
+        .bodies()
+        .iter()
+        .filter_map(|b| b["n"].as_u64())
+        .collect();
+    ns.sort_unstable();
+    assert_eq!(ns, (0..30).collect::<Vec<_>>(), "each once, none lost");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_with_a_once_a_second_cron_tick_once_a_second_between_them() {
+    let redis = RedisServer::start();
+    let sink = Sink::start().await;
+    let flow = |by: &str| {
+        format!(
+            r#"
+id: tick
+nodes:
+  every: {{ type: cron, schedule: "* * * * * *", to: [mark] }}
+  mark:
+    type: function
+    script: |
+      msg.payload = #{{ tick: msg.tick, by: "{by}" }};
+      msg
+    to: [out]
+  out: {{ type: http-request, url: "{}" }}
+"#,
+            sink.url("tick")
+        )
+    };
+    let (fa, fb) = (flow("a"), flow("b"));
+    let a = start_on(&redis.url(), &[("tick.yaml", &fa)], Failpoints::new()).await;
+    let b = start_on(&redis.url(), &[("tick.yaml", &fb)], Failpoints::new()).await;
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    let seconds = t0.elapsed().as_secs_f64();
+    a.shutdown().await;
+    b.shutdown().await;
+    let ticks: Vec<String> = sink
+        .bodies()
+        .iter()
+        .map(|b| b["tick"].as_str().unwrap_or("?").to_string())
+        .collect();
+    let mut distinct = ticks.clone();
+    distinct.sort();
+    distinct.dedup();
+    println!(
+        "{} ticks in {seconds:.1} s from two engines, by engine {:?}",
+        ticks.len(),
+        by_engine(&sink)
+    );
+    assert_eq!(ticks.len(), distinct.len(), "a tick fired twice: {ticks:?}");
+    assert!(
+        (4..=7).contains(&ticks.len()),
+        "about one tick a second, not {} in {seconds:.1} s: {ticks:?}",
+        ticks.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_step_dead_letters_and_runs_are_the_same_from_either_engine() {
+    let redis = RedisServer::start();
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+id: shared
+nodes:
+  in: {{ type: webhook, path: in, to: [check] }}
+  start: {{ type: manual, to: [check] }}
+  check:
+    type: function
+    script: |
+      if msg.payload.n == 13 {{ throw "unlucky"; }}
+      msg
+    to: [out]
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("got")
+    );
+    let a = start_on(&redis.url(), &[("shared.yaml", &flow)], Failpoints::new()).await;
+    let b = start_on(&redis.url(), &[("shared.yaml", &flow)], Failpoints::new()).await;
+
+    // Paused on a, an event sent to b parks, whichever engine claims it.
+    assert_eq!(
+        post_admin(&a, "/api/flows/shared/pause").await["paused"],
+        true
+    );
+    assert_eq!(post_json(&b, "in", json!({ "n": 1 })).await.status(), 202);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = get_json(&a, "/api/stats").await;
+        if s["parked"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never parked: {s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let flows = get_json(&b, "/api/flows").await;
+    println!("b sees {flows}");
+    assert!(
+        flows.to_string().contains("\"paused\":true"),
+        "b sees the pause a made: {flows}"
+    );
+    // Stepped from b: it runs although the flow stays paused.
+    assert!(post_admin(&b, "/api/flows/shared/step").await["stepped"].is_string());
+    wait_for("the stepped item runs", Duration::from_secs(10), || {
+        sink.count() == 1
+    })
+    .await;
+    assert_eq!(get_json(&a, "/api/stats").await["parked"], 0);
+    assert_eq!(
+        post_admin(&b, "/api/flows/shared/resume").await["paused"],
+        false
+    );
+
+    // A dead letter made by whichever engine is listed by both, and replayed from the other.
+    assert_eq!(post_json(&a, "in", json!({ "n": 13 })).await.status(), 202);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let dead = loop {
+        let d = get_json(&b, "/api/dead-letters").await;
+        if d.as_array().is_some_and(|d| !d.is_empty()) {
+            break d;
+        }
+        assert!(Instant::now() < deadline, "no dead letter");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let id = dead[0]["item"]["id"].as_str().unwrap().to_string();
+    assert!(
+        dead[0]["reason"].as_str().unwrap().contains("unlucky"),
+        "{dead}"
+    );
+    let from_a = get_json(&a, "/api/dead-letters").await;
+    assert_eq!(from_a[0]["item"]["id"], id.as_str(), "{from_a}");
+    let (status, body) = post_to(
+        &admin(&a),
+        &format!("/api/dead-letters/{id}/replay"),
+        json!({}),
+    )
+    .await;
+    assert!(status < 300, "{status} {body}");
+
+    // A run started on a is followed on b to its end.
+    let (status, body) = post_to(&admin(&a), "/api/flows/shared/runs", json!({ "n": 2 })).await;
+    assert_eq!(status, 202, "{body}");
+    let run = body["run_id"].as_str().unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rec = get_json(&b, &format!("/api/runs/{run}")).await;
+        if rec["status"] == "done" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "b never saw the run end: {rec}");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_stops_cleanly_hands_back_what_it_holds_and_leaves_no_consumer() {
+    let redis = RedisServer::start();
+    let sink = Sink::start().await;
+    // The sink answers slowly: waves are still running when the short grace period ends.
+    sink.answer_after(3000);
+    let flow = format!(
+        r#"
+id: slow
+nodes:
+  in: {{ type: webhook, path: in, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("got")
+    );
+    let mut exec = test_exec();
+    exec.shutdown_grace = Duration::from_millis(300);
+    exec.reclaim_after = Duration::from_secs(600);
+    let a = start_exec(&redis.url(), exec, &[("slow.yaml", &flow)]).await;
+    for n in 0..5 {
+        assert_eq!(post_json(&a, "in", json!({ "n": n })).await.status(), 202);
+    }
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let stream = "{weir:0}:stream";
+    let consumers = |c: &mut redis::aio::MultiplexedConnection| {
+        let mut c = c.clone();
+        async move {
+            let v: redis::Value = redis::cmd("XINFO")
+                .arg("CONSUMERS")
+                .arg(stream)
+                .arg("weir")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            format!("{v:?}")
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if get_json(&a, "/api/stats").await["in_flight"] == 5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never in flight");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let named = consumers(&mut c).await;
+    let me = format!("{}-{}-", host.trim(), std::process::id());
+    assert!(
+        named.contains(&me),
+        "the consumer is named host-pid-suffix: {named}"
+    );
+    a.shutdown().await;
+    let summary: redis::Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg("weir")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let pending = match &summary {
+        redis::Value::Array(v) => matches!(v.first(), Some(redis::Value::Int(0))),
+        _ => false,
+    };
+    assert!(pending, "nothing pending after a clean stop: {summary:?}");
+    let left = consumers(&mut c).await;
+    assert!(
+        !left.contains(&me),
+        "the stopped engine's consumer is gone: {left}"
+    );
+    // The five are waiting again, and the next engine runs them at once (not after the
+    // ten-minute reclaim delay).
+    let q = RedisQueue::connect(&redis.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.ready, s.in_flight), (5, 0), "{s:?}");
+    sink.answer_after(0);
+    let mut exec = test_exec();
+    exec.reclaim_after = Duration::from_secs(600);
+    let b = start_exec(&redis.url(), exec, &[("slow.yaml", &flow)]).await;
+    wait_for(
+        "the handed-back items run on the next engine",
+        Duration::from_secs(20),
+        || {
+            let mut ns: Vec<u64> = sink
+                .bodies()
+                .iter()
+                .filter_map(|b| b["n"].as_u64())
+                .collect();
+            ns.sort_unstable();
+            ns.dedup();
+            ns.len() == 5
+        },
+    )
+    .await;
+    b.shutdown().await;
+}
