@@ -617,3 +617,68 @@ nodes:
     assert_eq!(a.stop(Duration::from_secs(20)).await, Some(0));
     assert_eq!(b.stop(Duration::from_secs(20)).await, Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_on_a_redis_cluster_spread_the_flows_over_its_nodes() {
+    let cluster = weir_queue::testing::RedisCluster::start();
+    let sink = Sink::start().await;
+    let flows: Vec<(String, String)> = (0..6)
+        .map(|i| {
+            (
+                format!("f{i}.yaml"),
+                format!(
+                    r#"
+id: f{i}
+nodes:
+  in: {{ type: webhook, path: f{i}, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+                    sink.url("got")
+                ),
+            )
+        })
+        .collect();
+    let flows: Vec<(&str, &str)> = flows
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.as_str()))
+        .collect();
+    let url = format!("{}?shards=8", cluster.url());
+    let a = start_on(&url, &flows, Failpoints::new()).await;
+    let b = start_on(&url, &flows, Failpoints::new()).await;
+    for n in 0..120u64 {
+        let e = if n % 2 == 0 { &a } else { &b };
+        let r = post_json(e, &format!("f{}", n % 6), json!({ "n": n })).await;
+        assert_eq!(r.status(), 202);
+    }
+    wait_for(
+        "all 120 through the cluster",
+        Duration::from_secs(30),
+        || sink.count() >= 120,
+    )
+    .await;
+    let mut ns: Vec<u64> = sink
+        .bodies()
+        .iter()
+        .filter_map(|b| b["n"].as_u64())
+        .collect();
+    ns.sort_unstable();
+    assert_eq!(ns, (0..120).collect::<Vec<_>>());
+    // Each node of the cluster holds some of the shards' keys.
+    let mut sizes = Vec::new();
+    for p in &cluster.ports {
+        let mut c = redis::Client::open(format!("redis://127.0.0.1:{p}/"))
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let n: u64 = redis::cmd("DBSIZE").query_async(&mut c).await.unwrap();
+        sizes.push(n);
+    }
+    println!("keys per cluster node: {sizes:?}");
+    assert!(
+        sizes.iter().filter(|n| **n > 0).count() >= 2,
+        "the shards are spread over the nodes: {sizes:?}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -368,8 +368,9 @@ pub trait WorkQueue: StateRead + Send + Sync {
     async fn discard(&self, id: Ulid) -> Result<(), QueueError>;
 }
 
-/// The queue a URL names: `memory`, `sqlite:PATH` (or a path ending in `.db`), or
-/// `redis://HOST:PORT[/DB]` (`rediss://` for TLS), optionally with `?ns=NAME&shards=N`.
+/// The queue a URL names: `memory`, `sqlite:PATH` (or a path ending in `.db`),
+/// `redis://HOST:PORT[/DB]` (`rediss://` for TLS), or a Redis Cluster by some of its nodes,
+/// `redis-cluster://HOST:PORT[,HOST:PORT…]`; a Redis URL optionally with `?ns=NAME&shards=N`.
 /// Every backend takes `?max_ready=N`: past that many ready items, `add` answers `Full`
 /// (webhooks 429, MQTT acks withheld). Default 100,000.
 pub async fn open(
@@ -397,7 +398,15 @@ pub async fn open(
         )?));
     }
     let url = url.as_str();
-    if url.starts_with("redis://") || url.starts_with("rediss://") {
+    if [
+        "redis://",
+        "rediss://",
+        "redis-cluster://",
+        "rediss-cluster://",
+    ]
+    .iter()
+    .any(|s| url.starts_with(s))
+    {
         let (base, query) = url.split_once('?').unwrap_or((url, ""));
         let mut opts = RedisOptions {
             max_ready,
@@ -429,7 +438,7 @@ pub async fn open(
         return Ok(Arc::new(RedisQueue::connect(&url, opts, failpoints).await?));
     }
     Err(QueueError::Open(format!(
-        "`{url}` names no queue backend: use memory, sqlite:PATH or redis://HOST:PORT"
+        "`{url}` names no queue backend: use memory, sqlite:PATH, redis://HOST:PORT or redis-cluster://HOST:PORT,…"
     )))
 }
 

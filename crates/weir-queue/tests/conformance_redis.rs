@@ -26,3 +26,21 @@ mod sharded {
         Arc::new(q.keeping(server)) as Arc<dyn WorkQueue>
     });
 }
+
+/// The same cases on a three-node Redis Cluster, the keys in eight shards (slots spread over
+/// the nodes), through the cluster client.
+mod cluster {
+    use super::*;
+    use weir_queue::testing::RedisCluster;
+    weir_queue::conformance_tests!(|fp| async move {
+        let cluster = RedisCluster::start();
+        let opts = RedisOptions {
+            shards: 8,
+            ..RedisOptions::default()
+        };
+        let q = RedisQueue::connect(&cluster.url(), opts, fp)
+            .await
+            .expect("connect to the test's Redis Cluster");
+        Arc::new(q.keeping(cluster)) as Arc<dyn WorkQueue>
+    });
+}

@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script};
 use serde::Serialize;
 use tokio::sync::oneshot;
@@ -550,12 +550,7 @@ type CommitGroups = Arc<std::sync::Mutex<HashMap<String, CommitGroup>>>;
 const COMMIT_GROUP: usize = 128;
 
 /// Send shard `p`'s waiting commits, a group per call, until none is waiting.
-async fn flush_commits(
-    mut conn: ConnectionManager,
-    script: Script,
-    groups: CommitGroups,
-    p: String,
-) {
+async fn flush_commits(mut conn: Conn, script: Script, groups: CommitGroups, p: String) {
     loop {
         let batch: Vec<_> = {
             let mut g = groups.lock().unwrap_or_else(|e| e.into_inner());
@@ -605,9 +600,63 @@ async fn flush_commits(
     }
 }
 
+/// A connection to one server (reconnecting by itself), or to a Redis Cluster (each command
+/// routed to the node that serves its key; a script by its one declared key, the shard's
+/// stream, whose hash tag every other key of the shard shares).
+#[derive(Clone)]
+enum Conn {
+    One(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::One(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::One(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::One(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The seed nodes of `redis-cluster://HOST:PORT[,HOST:PORT…][/]` (or `rediss-cluster://`
+/// for TLS), as URLs the cluster client takes; `None` for any other URL.
+fn cluster_seeds(url: &str) -> Option<Vec<String>> {
+    let (scheme, rest) = url.split_once("://")?;
+    let scheme = scheme.strip_suffix("-cluster")?;
+    let rest = rest.trim_end_matches('/');
+    Some(
+        rest.split(',')
+            .filter(|h| !h.is_empty())
+            .map(|h| format!("{scheme}://{h}"))
+            .collect(),
+    )
+}
+
 /// The Redis Streams queue.
 pub struct RedisQueue {
-    conn: ConnectionManager,
+    conn: Conn,
     opts: RedisOptions,
     scripts: Scripts,
     failpoints: Failpoints,
@@ -626,22 +675,46 @@ impl RedisQueue {
         opts: RedisOptions,
         failpoints: Failpoints,
     ) -> Result<Self, QueueError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| QueueError::Open(format!("`{url}` is not a Redis URL: {e}")))?;
         // No call waits on the server (claims poll), so a short response timeout only ever
         // cuts a dead connection. Reconnects are quick and few: while the server is down a
         // caller should hear so at once (a webhook answers 503), and the executor's loop does
         // the backing off.
-        let cfg = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(5)))
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(50));
-        let conn = client
-            .get_connection_manager_with_config(cfg)
-            .await
-            .map_err(|e| QueueError::Open(format!("cannot reach Redis at {url}: {e}")))?;
+        let conn = match cluster_seeds(url) {
+            Some(seeds) => {
+                if seeds.is_empty() {
+                    return Err(QueueError::Open(format!(
+                        "`{url}` names no node: write redis-cluster://HOST:PORT[,HOST:PORT…]"
+                    )));
+                }
+                let client = redis::cluster::ClusterClientBuilder::new(seeds)
+                    .connection_timeout(Duration::from_secs(2))
+                    .response_timeout(Duration::from_secs(5))
+                    .retries(2)
+                    .build()
+                    .map_err(|e| QueueError::Open(format!("`{url}`: {e}")))?;
+                Conn::Cluster(client.get_async_connection().await.map_err(|e| {
+                    QueueError::Open(format!("cannot reach the Redis Cluster at {url}: {e}"))
+                })?)
+            }
+            None => {
+                let client = redis::Client::open(url)
+                    .map_err(|e| QueueError::Open(format!("`{url}` is not a Redis URL: {e}")))?;
+                let cfg = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(Duration::from_secs(2)))
+                    .set_response_timeout(Some(Duration::from_secs(5)))
+                    .set_number_of_retries(1)
+                    .set_min_delay(Duration::from_millis(10))
+                    .set_max_delay(Duration::from_millis(50));
+                Conn::One(
+                    client
+                        .get_connection_manager_with_config(cfg)
+                        .await
+                        .map_err(|e| {
+                            QueueError::Open(format!("cannot reach Redis at {url}: {e}"))
+                        })?,
+                )
+            }
+        };
         let scripts = Scripts::new(opts.dead_cap);
         let q = RedisQueue {
             conn,
