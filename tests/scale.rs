@@ -682,3 +682,45 @@ nodes:
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_respond_wave_webhook_is_answered_whichever_engine_runs_its_wave() {
+    let redis = RedisServer::start();
+    let flow = |by: &str| {
+        format!(
+            r#"
+id: echo
+nodes:
+  hook: {{ type: webhook, path: echo, respond: wave, to: [shape] }}
+  shape:
+    type: function
+    script: |
+      msg.payload = #{{ n: msg.payload.n, by: "{by}" }};
+      msg
+    to: [answer]
+  answer: {{ type: http-response }}
+"#
+        )
+    };
+    let (fa, fb) = (flow("a"), flow("b"));
+    let a = start_on(&redis.url(), &[("echo.yaml", &fa)], Failpoints::new()).await;
+    let b = start_on(&redis.url(), &[("echo.yaml", &fb)], Failpoints::new()).await;
+    // Every request goes to a's webhook; b's executor claims about half of the waves.
+    let mut ran_by = BTreeMap::new();
+    for n in 0..60u64 {
+        let r = post_json(&a, "echo", json!({ "n": n })).await;
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["n"], n, "each request gets its own answer: {body}");
+        *ran_by
+            .entry(body["by"].as_str().unwrap().to_string())
+            .or_insert(0) += 1;
+    }
+    println!("60 requests to engine a, waves run by {ran_by:?}");
+    assert!(
+        ran_by.get("b").copied().unwrap_or(0) > 0,
+        "some waves ran on the other engine and were answered all the same: {ran_by:?}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}

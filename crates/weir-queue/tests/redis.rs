@@ -172,3 +172,34 @@ async fn a_poison_entry_is_dead_lettered_alone_and_the_rest_flow() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test]
+async fn an_engine_with_another_number_of_shards_is_refused_with_the_way_out() {
+    let server = RedisServer::start();
+    let opts = |shards| RedisOptions {
+        shards,
+        ..RedisOptions::default()
+    };
+    let first = RedisQueue::connect(&server.url(), opts(4), Failpoints::new()).await;
+    assert!(first.is_ok());
+    let same = RedisQueue::connect(&server.url(), opts(4), Failpoints::new()).await;
+    assert!(same.is_ok(), "the same number is fine");
+    let Err(e) = RedisQueue::connect(&server.url(), opts(2), Failpoints::new()).await else {
+        panic!("a different number of shards was accepted");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("4 shards") && e.contains("shards=2") && e.contains("ns="),
+        "{e}"
+    );
+    let other_ns = RedisOptions {
+        namespace: "other".into(),
+        ..opts(2)
+    };
+    assert!(
+        RedisQueue::connect(&server.url(), other_ns, Failpoints::new())
+            .await
+            .is_ok(),
+        "another namespace keeps its own"
+    );
+}

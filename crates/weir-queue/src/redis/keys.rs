@@ -77,6 +77,11 @@ pub fn quota(p: &str, flow: &str, node: &str, key: &str) -> String {
     format!("{p}quota:{}:{flow}:{}:{node}:{key}", flow.len(), node.len())
 }
 
+/// Settings every engine on the namespace must agree on (`shards`).
+pub fn meta(ns: &str, what: &str) -> String {
+    format!("{{{ns}:meta}}:{what}")
+}
+
 /// The reply to a `respond: wave` webhook, which any engine may post.
 pub fn reply(ns: &str, id: &str) -> String {
     format!("{{{ns}:replies}}:{id}")

@@ -725,8 +725,32 @@ impl RedisQueue {
             commits: Default::default(),
             _keep: None,
         };
+        q.check_shards().await?;
         q.check_persistence(url).await;
         Ok(q)
+    }
+
+    /// The first engine on a namespace records its number of shards; an engine configured
+    /// with another number is refused, since it would look for items where they are not.
+    async fn check_shards(&self) -> Result<(), QueueError> {
+        let k = keys::meta(&self.opts.namespace, "shards");
+        let mut c = self.conn.clone();
+        let want = self.opts.shards.max(1);
+        let _: bool = c
+            .set_nx(&k, want)
+            .await
+            .map_err(|e| QueueError::Open(format!("cannot write to Redis ({k}): {e}")))?;
+        let have: u32 = c
+            .get(&k)
+            .await
+            .map_err(|e| QueueError::Open(format!("cannot read {k}: {e}")))?;
+        if have != want {
+            return Err(QueueError::Open(format!(
+                "the queue in namespace `{ns}` has {have} shards and this engine was started with                  shards={want}: every engine on a namespace must use the same number. To change                  it, drain the queue (nothing waiting, in flight, delayed, parked or dead),                  delete the key {k}, and start with the new number; or use another namespace (ns=…)",
+                ns = self.opts.namespace
+            )));
+        }
+        Ok(())
     }
 
     /// Keep `x` alive as long as the queue (a test's server, say).
