@@ -16,14 +16,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use redis::AsyncCommands;
 use serde_json::json;
 use weir_queue::testing::RedisServer;
 use weir_queue::{
     Committed, End, Failpoints, RedisOptions, RedisQueue, SqliteQueue, WaveEffects, WorkItem,
     WorkQueue,
 };
-use weir_testkit::ceilings::{fsyncs_per_second, sqlite_batched};
+use weir_testkit::ceilings::{fsyncs_per_second, redis_streams_loop, sqlite_batched};
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
 const BATCH: usize = 256;
@@ -124,49 +123,6 @@ fn measure(
     t
 }
 
-async fn redis_raw(url: &str, batch: usize, rounds: u64) -> f64 {
-    let client = redis::Client::open(url).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let _: redis::RedisResult<()> = redis::cmd("XGROUP")
-        .arg(&["CREATE", "raw", "g", "0", "MKSTREAM"])
-        .query_async(&mut c)
-        .await;
-    let t = Instant::now();
-    for _ in 0..rounds {
-        let mut p = redis::pipe();
-        for _ in 0..batch {
-            p.cmd("XADD")
-                .arg("raw")
-                .arg("*")
-                .arg("id")
-                .arg("x")
-                .ignore();
-        }
-        let _: () = p.query_async(&mut c).await.unwrap();
-        let r: redis::streams::StreamReadReply = c
-            .xread_options(
-                &["raw"],
-                &[">"],
-                &redis::streams::StreamReadOptions::default()
-                    .group("g", "c")
-                    .count(batch),
-            )
-            .await
-            .unwrap();
-        let ids: Vec<String> = r.keys[0].ids.iter().map(|e| e.id.clone()).collect();
-        assert_eq!(ids.len(), batch);
-        let _: () = redis::pipe()
-            .xack("raw", "g", &ids)
-            .ignore()
-            .xdel("raw", &ids)
-            .ignore()
-            .query_async(&mut c)
-            .await
-            .unwrap();
-    }
-    (rounds * batch as u64) as f64 / t.elapsed().as_secs_f64()
-}
-
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -227,16 +183,16 @@ fn bench(c: &mut Criterion) {
         .unwrap(),
     );
     println!("redis: appendonly yes, appendfsync always (the server this bench starts)");
-    let raw_single = rt.block_on(redis_raw(&server.url(), 1, 2000));
-    let raw_batched = rt.block_on(redis_raw(&server.url(), BATCH, 200));
+    let raw_single = rt.block_on(redis_streams_loop(&server.url(), 1, 2000));
+    let raw_batched = rt.block_on(redis_streams_loop(&server.url(), BATCH, 200));
     let rates: Vec<f64> = [1u64, BATCH as u64]
         .iter()
         .zip(["single", "batched"])
         .map(|(&per_iter, name)| measure(c, &rt, "redis", name, per_iter, &redis_q).rate())
         .collect();
     // As for SQLite: the better of the ceilings measured before and after weir's runs.
-    let raw_single = raw_single.max(rt.block_on(redis_raw(&server.url(), 1, 2000)));
-    let raw_batched = raw_batched.max(rt.block_on(redis_raw(&server.url(), BATCH, 200)));
+    let raw_single = raw_single.max(rt.block_on(redis_streams_loop(&server.url(), 1, 2000)));
+    let raw_batched = raw_batched.max(rt.block_on(redis_streams_loop(&server.url(), BATCH, 200)));
     for ((name, ceiling), rate) in [("single", raw_single), ("batched", raw_batched)]
         .into_iter()
         .zip(rates)

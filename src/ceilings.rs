@@ -108,3 +108,49 @@ pub fn cpu_time(pid: u32) -> std::time::Duration {
     // Clock ticks are 1/100 s on Linux.
     std::time::Duration::from_millis(ticks.max(0) as u64 * 10)
 }
+
+/// The bare Redis Streams ceiling: `batch` XADDs pipelined, one XREADGROUP of them, and one
+/// XACK + XDEL pipeline, `rounds` times, on one connection. Items per second.
+pub async fn redis_streams_loop(url: &str, batch: usize, rounds: u64) -> f64 {
+    use redis::AsyncCommands;
+    let client = redis::Client::open(url).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let _: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg(&["CREATE", "raw", "g", "0", "MKSTREAM"])
+        .query_async(&mut c)
+        .await;
+    let t = Instant::now();
+    for _ in 0..rounds {
+        let mut p = redis::pipe();
+        for _ in 0..batch {
+            p.cmd("XADD")
+                .arg("raw")
+                .arg("*")
+                .arg("id")
+                .arg("x")
+                .ignore();
+        }
+        let _: () = p.query_async(&mut c).await.unwrap();
+        let r: redis::streams::StreamReadReply = c
+            .xread_options(
+                &["raw"],
+                &[">"],
+                &redis::streams::StreamReadOptions::default()
+                    .group("g", "c")
+                    .count(batch),
+            )
+            .await
+            .unwrap();
+        let ids: Vec<String> = r.keys[0].ids.iter().map(|e| e.id.clone()).collect();
+        assert_eq!(ids.len(), batch);
+        let _: () = redis::pipe()
+            .xack("raw", "g", &ids)
+            .ignore()
+            .xdel("raw", &ids)
+            .ignore()
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    (rounds * batch as u64) as f64 / t.elapsed().as_secs_f64()
+}

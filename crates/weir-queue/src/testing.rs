@@ -38,6 +38,11 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// The server's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
