@@ -724,3 +724,52 @@ nodes:
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ticks_missed_while_every_engine_was_down_are_caught_up_once_by_two_engines() {
+    let redis = RedisServer::start();
+    let sink = Sink::start().await;
+    let q = RedisQueue::connect(&redis.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    // Both schedules last fired a day ago; every engine was down since.
+    let day_ago = weir::queue::now_ms() - 24 * 3600 * 1000;
+    for node in ["last", "none"] {
+        let key = StateKey::new("c", node, "last_tick");
+        let seed = weir::queue::WorkItem::cascade("c", node, "seed", vec![]);
+        assert!(q.add_tick(&key, day_ago, seed).await.unwrap());
+        let c = q.claim("seed", 1, Duration::ZERO).await.unwrap().remove(0);
+        q.commit(&c, weir::queue::WaveEffects::ending(weir::queue::End::Ack))
+            .await
+            .unwrap();
+    }
+    let flow = format!(
+        r#"
+id: c
+nodes:
+  last: {{ type: cron, schedule: "0 * * * *", catch_up: last, to: [out] }}
+  none: {{ type: cron, schedule: "0 * * * *", catch_up: none, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("c")
+    );
+    let a = start_on(&redis.url(), &[("c.yaml", &flow)], Failpoints::new()).await;
+    let b = start_on(&redis.url(), &[("c.yaml", &flow)], Failpoints::new()).await;
+    wait_for("the caught-up tick", Duration::from_secs(10), || {
+        sink.count() >= 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let ticks = sink.bodies();
+    assert_eq!(
+        ticks.len(),
+        1,
+        "the last missed tick of `catch_up: last`, once for both engines; none for `catch_up: none`: {ticks:?}"
+    );
+    assert!(
+        ticks[0].as_str().unwrap().contains(":00:00"),
+        "the last hourly tick, not now: {ticks:?}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
