@@ -18,7 +18,7 @@ use bytes::Bytes;
 use weir_queue::testing::RedisServer;
 use weir_testkit::ceilings::{cpu_time, redis_streams_loop};
 use weir_testkit::load::{self, LoadSpec};
-use weir_testkit::WeirProcess;
+use weir_testkit::{metric_sum, WeirProcess};
 
 const CONNECTIONS: usize = 16;
 
@@ -41,20 +41,6 @@ fn secs() -> Duration {
         .and_then(|v| v.parse().ok())
         .unwrap_or(8.0);
     Duration::from_secs_f64(s)
-}
-
-/// The sum of a Prometheus counter's series whose labels contain `label`.
-async fn counter(base: &str, name: &str, label: &str) -> u64 {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
 }
 
 struct Run {
@@ -129,7 +115,14 @@ async fn run(engines: usize, duration: Duration, redis: &RedisServer, redis_pid:
     let redis_cpu = (cpu_time(redis_pid) - rcpu0).as_secs_f64() / all;
     let mut ran_by = Vec::new();
     for p in &ps {
-        ran_by.push(counter(&p.base, "weir_items_ended_total", "flow=\"bench-accept\"").await);
+        ran_by.push(
+            metric_sum(
+                &p.base,
+                "weir_items_ended_total",
+                &["flow=\"bench-accept\""],
+            )
+            .await,
+        );
     }
     assert_eq!(
         ran_by.iter().sum::<u64>(),

@@ -24,7 +24,7 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 use weir_testkit::ceilings::{fsyncs_per_second, rss_kib};
 use weir_testkit::load::{self, LoadReport, LoadSpec};
-use weir_testkit::{weir_bin, Mosquitto, WeirProcess};
+use weir_testkit::{metric_sum, weir_bin, Mosquitto, WeirProcess};
 
 const CONNECTIONS: usize = 16;
 
@@ -81,20 +81,6 @@ fn spec(addr: SocketAddr, path: &str, paths: usize, duration: Duration) -> LoadS
         max_requests: None,
         keep_bodies: false,
     }
-}
-
-/// The sum of a Prometheus counter's series whose labels contain every one of `labels`.
-async fn counter(base: &str, name: &str, labels: &[&str]) -> u64 {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("metrics text");
-    text.lines()
-        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
 }
 
 /// Wait until the engine has nothing ready or in flight; how long that took.
@@ -240,7 +226,7 @@ async fn bench() {
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     println!("weir echo, respond: wave:    {}", line(&echo));
     drained(&p, Duration::from_secs(60)).await;
-    let ended = counter(&p.base, "weir_items_ended_total", &["flow=\"bench-echo\""]).await;
+    let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-echo\""]).await;
     assert_eq!(
         ended,
         warm.ok() + echo.ok(),
@@ -261,7 +247,7 @@ async fn bench() {
     println!("weir accepted (202):         {}", line(&acc));
     let after = drained(&p, Duration::from_secs(120)).await;
     let all_run = t0.elapsed();
-    let ended = counter(
+    let ended = metric_sum(
         &p.base,
         "weir_items_ended_total",
         &["flow=\"bench-accept\""],
@@ -303,7 +289,7 @@ async fn bench() {
     println!("weir accepted, 1,000 flows: {}", line(&m));
     drained(&p, Duration::from_secs(120)).await;
     // The bench's own flows only (f0000…f0999; the examples beside them run cron ticks).
-    let ended = counter(&p.base, "weir_items_ended_total", &["flow=\"f"]).await;
+    let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"f"]).await;
     assert_eq!(ended, m.ok(), "every 202 was journaled and run once");
     summary.push(format!(
         "1,000 flows loaded (events spread over all of them) vs 1: {:.0} vs {:.0} events/s accepted, cost per event {:.2}× | target ≤ 1.2×",

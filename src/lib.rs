@@ -511,6 +511,22 @@ pub struct MqttPeer {
 }
 
 impl MqttPeer {
+    /// Publish `{"n": N}` for each N of `range` as QoS 1 on `sensors/dK/reading`, K = N mod
+    /// `devices`.
+    pub async fn publish_numbers(&self, range: std::ops::Range<u64>, devices: u64) {
+        for n in range {
+            self.client
+                .publish(
+                    format!("sensors/d{}/reading", n % devices),
+                    rumqttc::QoS::AtLeastOnce,
+                    false,
+                    serde_json::to_vec(&serde_json::json!({ "n": n })).unwrap(),
+                )
+                .await
+                .unwrap();
+        }
+    }
+
     /// Connect as `id` (a persistent session) and subscribe to `filter` if given; returns
     /// once the subscription is acknowledged.
     pub async fn connect(port: u16, id: &str, filter: Option<&str>) -> MqttPeer {
@@ -599,4 +615,19 @@ impl Drop for MqttPeer {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// The sum of a Prometheus counter's series at `base/metrics` whose labels contain every one
+/// of `labels`.
+pub async fn metric_sum(base: &str, name: &str, labels: &[&str]) -> u64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }

@@ -21,21 +21,6 @@ nodes:
   out: { type: mqtt-out, topic: "results/{{ msg.topic }}", qos: 1 }
 "#;
 
-async fn publish_range(device: &MqttPeer, range: std::ops::Range<u64>) {
-    for n in range {
-        device
-            .client
-            .publish(
-                format!("sensors/d{}/reading", n % 5),
-                rumqttc::QoS::AtLeastOnce,
-                false,
-                serde_json::to_vec(&json!({ "n": n })).unwrap(),
-            )
-            .await
-            .unwrap();
-    }
-}
-
 /// How often each `n / 2` arrived (the flow doubles `n`).
 fn arrivals(observer: &MqttPeer) -> HashMap<u64, usize> {
     let mut seen = HashMap::new();
@@ -61,7 +46,7 @@ async fn two_thousand_messages_in_through_a_function_and_out() {
     .await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    publish_range(&device, 0..2000).await;
+    device.publish_numbers(0..2000, 5).await;
     device
         .client
         .publish(
@@ -116,7 +101,7 @@ async fn sigkill_with_five_thousand_in_flight_loses_none() {
     let mut e = WeirProcess::start(flows.path(), &queue, &args).await;
     // Let the engine subscribe before the device starts (its session then exists).
     tokio::time::sleep(Duration::from_millis(300)).await;
-    publish_range(&device, 0..5000).await;
+    device.publish_numbers(0..5000, 5).await;
     wait_for(
         "some messages through before the kill",
         Duration::from_secs(30),
@@ -155,7 +140,7 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    publish_range(&device, 0..300).await;
+    device.publish_numbers(0..300, 5).await;
     wait_for("the first 300", Duration::from_secs(30), || {
         arrivals(&observer).len() == 300
     })
@@ -163,7 +148,7 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     broker.stop();
     tokio::time::sleep(Duration::from_millis(500)).await;
     broker.restart();
-    publish_range(&device, 300..600).await;
+    device.publish_numbers(300..600, 5).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while arrivals(&observer).len() < 600 && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -227,7 +212,7 @@ nodes:
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    publish_range(&device, 0..400).await;
+    device.publish_numbers(0..400, 5).await;
     wait_for(
         "400 messages through one engine or the other",
         Duration::from_secs(30),
@@ -292,7 +277,7 @@ async fn mqtts_with_a_ca_file() {
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    publish_range(&device, 0..50).await;
+    device.publish_numbers(0..50, 5).await;
     wait_for(
         "50 messages through the TLS connections",
         Duration::from_secs(30),
@@ -323,7 +308,7 @@ async fn mqtts_with_a_ca_file() {
     )
     .await;
     let before = observer.count();
-    publish_range(&device, 50..60).await;
+    device.publish_numbers(50..60, 5).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(
         observer.count(),
@@ -357,7 +342,7 @@ nodes:
     let observer = MqttPeer::connect(cloud.port, "observer", Some("plant/#")).await;
     let device = MqttPeer::connect(plant.port, "device", None).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    publish_range(&device, 0..20).await;
+    device.publish_numbers(0..20, 5).await;
     wait_for(
         "20 messages carried from one broker to the other",
         Duration::from_secs(20),
@@ -482,7 +467,7 @@ async fn a_broker_down_at_start_is_waited_for_and_stops_nothing_else() {
     let mut n = 0;
     while arrivals(&observer).is_empty() {
         // Until the engine's subscription is up, a message finds no one; send another.
-        publish_range(&device, n..n + 1).await;
+        device.publish_numbers(n..n + 1, 5).await;
         n += 1;
         assert!(
             std::time::Instant::now() < deadline,

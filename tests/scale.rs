@@ -379,22 +379,6 @@ nodes:
     b.shutdown().await;
 }
 
-/// Publish `range` as QoS 1 messages `{"n": N}` on `sensors/dK/reading`.
-async fn publish_range(device: &MqttPeer, range: std::ops::Range<u64>) {
-    for n in range {
-        device
-            .client
-            .publish(
-                format!("sensors/d{}/reading", n % 7),
-                rumqttc::QoS::AtLeastOnce,
-                false,
-                serde_json::to_vec(&json!({ "n": n })).unwrap(),
-            )
-            .await
-            .unwrap();
-    }
-}
-
 /// How many times each `n` arrived, and by which engine each arrival came.
 fn tally(observer: &MqttPeer) -> (BTreeMap<u64, usize>, BTreeMap<String, usize>) {
     let (mut seen, mut by) = (BTreeMap::new(), BTreeMap::new());
@@ -463,7 +447,7 @@ nodes:
     let device = MqttPeer::connect(broker.port, "device", None).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
 
-    publish_range(&device, 0..N / 2).await;
+    device.publish_numbers(0..N / 2, 7).await;
     wait_for("a quarter through", Duration::from_secs(60), || {
         tally(&observer).0.len() as u64 >= N / 4
     })
@@ -474,7 +458,7 @@ nodes:
         "engine b killed (SIGKILL) with {} through; its queue view then: {stats}",
         tally(&observer).0.len()
     );
-    publish_range(&device, N / 2..N).await;
+    device.publish_numbers(N / 2..N, 7).await;
 
     // The living engines take over what b had journaled and claimed (after the reclaim
     // delay); what the broker had sent b and b never acknowledged waits in b's session.
