@@ -11,6 +11,7 @@ use serde_json::Value;
 use weir::weir_exec::ExecConfig;
 use weir::{Engine, Failpoints, RunningEngine};
 
+pub mod browser;
 pub mod ceilings;
 pub mod load;
 

@@ -98,6 +98,16 @@ pub struct FlowRt {
     permits: Arc<Semaphore>,
     /// Per node: the receiver the next wave through that (stateful) node must wait on.
     tails: Vec<Mutex<Option<oneshot::Receiver<()>>>>,
+    /// Per node: what this engine has seen it do since the flow was loaded.
+    pub counts: Vec<NodeCounts>,
+}
+
+/// A node's calls and failures in this engine since its flow was loaded (the dashboard's
+/// figures; the Prometheus counters add up by node type).
+#[derive(Debug, Default)]
+pub struct NodeCounts {
+    pub calls: std::sync::atomic::AtomicU64,
+    pub failures: std::sync::atomic::AtomicU64,
 }
 
 impl FlowRt {
@@ -106,6 +116,7 @@ impl FlowRt {
         FlowRt {
             permits: Arc::new(Semaphore::new(flow.concurrency)),
             tails: (0..n).map(|_| Mutex::new(None)).collect(),
+            counts: (0..n).map(|_| NodeCounts::default()).collect(),
             flow,
         }
     }

@@ -12,6 +12,8 @@ use weir_queue::{
 };
 use weir_state::Overlay;
 
+use std::sync::atomic::Ordering;
+
 use crate::{backoff, Executor, FlowRt};
 
 /// How a wave ended before its commit.
@@ -304,6 +306,7 @@ impl Executor {
                 None => {
                     metrics::counter!("weir_node_calls_total", "kind" => node.kind.clone())
                         .increment(1);
+                    f.counts[n].calls.fetch_add(1, Ordering::Relaxed);
                     let input = msg.clone();
                     let mut cx = NodeCx::new(
                         &flow.id,
@@ -368,6 +371,7 @@ impl Executor {
                 Err(e) => {
                     metrics::counter!("weir_node_failures_total", "kind" => node.kind.clone())
                         .increment(1);
+                    f.counts[n].failures.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(node = %node.id, error = %e, "node failed");
                     failures.push(format!("node `{}`: {e}", node.id));
                     self.failure(item, &node.id, node.retry, msg, e, &mut fx);

@@ -13,6 +13,8 @@ use ulid::Ulid;
 use weir_exec::Flows;
 use weir_queue::{ListFilter, QueueError, WorkQueue};
 
+use crate::dashboard::{self, Sessions};
+
 /// Reading the flows again, for `POST /api/reload`.
 #[async_trait::async_trait]
 pub trait Reload: Send + Sync {
@@ -25,10 +27,14 @@ struct Admin {
     queue: Arc<dyn WorkQueue>,
     flows: Arc<Flows>,
     reload: Arc<dyn Reload>,
+    token: Option<Arc<String>>,
+    sessions: Arc<Sessions>,
 }
 
-/// The admin API. With `token`, every `/api` call and `/metrics` needs
-/// `Authorization: Bearer <token>` (401 otherwise); `/healthz` and `/readyz` stay open.
+/// The admin API and the dashboard. With `token`, every `/api` call and `/metrics` needs
+/// `Authorization: Bearer <token>`, or the dashboard's session cookie (and, for a change,
+/// its CSRF token); 401 otherwise. `/healthz`, `/readyz`, the dashboard's login form and
+/// its script and style stay open.
 pub fn router(
     queue: Arc<dyn WorkQueue>,
     flows: Arc<Flows>,
@@ -36,7 +42,22 @@ pub fn router(
     reload: Arc<dyn Reload>,
 ) -> Router {
     let token = token.map(Arc::new);
+    let sessions = Arc::new(Sessions::default());
+    let auth = (token.clone(), sessions.clone());
     Router::new()
+        .route("/", get(dashboard_page))
+        .route("/ui/login", post(dashboard_login))
+        .route("/ui/logout", post(dashboard_logout))
+        .route(
+            "/ui/app.js",
+            get(|| async { dashboard::asset(dashboard::SCRIPT, "text/javascript; charset=utf-8") }),
+        )
+        .route(
+            "/ui/style.css",
+            get(|| async { dashboard::asset(dashboard::STYLE, "text/css; charset=utf-8") }),
+        )
+        .route("/api/flows/{id}/graph.svg", get(flow_graph))
+        .route("/api/flows/{id}/nodes", get(flow_nodes))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(prometheus))
@@ -55,20 +76,26 @@ pub fn router(
         .route("/api/runs/{id}", get(run_status))
         .route("/api/reload", post(reload_flows))
         .layer(axum::middleware::from_fn(move |req, next| {
-            let token = token.clone();
-            async move { authorize(token.as_deref().map(String::as_str), req, next).await }
+            let (token, sessions) = auth.clone();
+            async move {
+                authorize(token.as_deref().map(String::as_str), &sessions, req, next).await
+            }
         }))
         .with_state(Admin {
             queue,
             flows,
             reload,
+            token,
+            sessions,
         })
 }
 
-/// Let a request through when no token is set, when it asks for an open path, or when it
-/// carries the token (compared in constant time).
+/// Let a request through when no token is set, when it asks for an open path, when it
+/// carries the token (compared in constant time), or when it comes from a dashboard session
+/// (with the session's CSRF token if it changes something).
 async fn authorize(
     token: Option<&str>,
+    sessions: &Sessions,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
@@ -82,7 +109,18 @@ async fn authorize(
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        if !bool::from(given.as_bytes().ct_eq(want.as_bytes())) {
+        let bearer = bool::from(given.as_bytes().ct_eq(want.as_bytes()));
+        if !bearer && sessions.csrf_of(req.headers()).is_some() {
+            if dashboard::session_allows(sessions, req.method(), req.headers()) {
+                return next.run(req).await;
+            }
+            return (
+                StatusCode::FORBIDDEN,
+                Json(json!({ "error": "missing or wrong CSRF token (X-CSRF-Token): reload the dashboard" })),
+            )
+                .into_response();
+        }
+        if !bearer {
             return (
                 StatusCode::UNAUTHORIZED,
                 [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
@@ -483,4 +521,58 @@ async fn flow_action(
         Ok(v) => Json(v).into_response(),
         Err(e) => err(e),
     }
+}
+
+async fn dashboard_page(State(a): State<Admin>, headers: axum::http::HeaderMap) -> Response {
+    dashboard::page(a.token.is_some(), &a.sessions, &headers)
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    token: String,
+}
+
+async fn dashboard_login(State(a): State<Admin>, axum::Form(f): axum::Form<LoginForm>) -> Response {
+    dashboard::login(
+        a.token.as_deref().map(String::as_str),
+        &a.sessions,
+        &f.token,
+    )
+}
+
+async fn dashboard_logout(State(a): State<Admin>, headers: axum::http::HeaderMap) -> Response {
+    dashboard::logout(&a.sessions, &headers)
+}
+
+/// `GET /api/flows/{id}/nodes`: each node's calls and failures in this engine, and what it
+/// holds.
+async fn flow_nodes(State(a): State<Admin>, Path(id): Path<String>) -> Response {
+    let Some(f) = a.flows.get(&id) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({ "error": format!("no flow `{id}`") })),
+        )
+            .into_response();
+    };
+    Json(dashboard::node_figures(&*a.queue, &f).await).into_response()
+}
+
+/// `GET /api/flows/{id}/graph.svg`: the flow drawn, with each node's figures.
+async fn flow_graph(State(a): State<Admin>, Path(id): Path<String>) -> Response {
+    let Some(f) = a.flows.get(&id) else {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({ "error": format!("no flow `{id}`") })),
+        )
+            .into_response();
+    };
+    let figures = dashboard::node_figures(&*a.queue, &f).await;
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "image/svg+xml"),
+            (axum::http::header::CACHE_CONTROL, "no-store"),
+        ],
+        dashboard::graph_svg(&f, &figures),
+    )
+        .into_response()
 }

@@ -17,6 +17,7 @@
 //! Add node types through [`Node`] and [`NodeFactory`] with [`EngineBuilder::node`].
 
 mod admin;
+mod dashboard;
 mod metrics;
 
 use std::future::Future;
