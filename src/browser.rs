@@ -186,6 +186,19 @@ impl Browser {
             .to_string()
     }
 
+    /// Attribute `name` of the first element `css` selects.
+    pub async fn attr(&self, css: &str, name: &str) -> Option<String> {
+        let e = self.find(css).await?;
+        self.call(
+            reqwest::Method::GET,
+            &format!("/element/{e}/attribute/{name}"),
+            None,
+        )
+        .await
+        .as_str()
+        .map(str::to_string)
+    }
+
     /// Run `script` in the page (its last argument is the callback to call with the answer).
     pub async fn eval_async(&self, script: &str) -> Value {
         self.call(

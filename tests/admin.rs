@@ -191,3 +191,156 @@ async fn readyz_says_when_the_queue_does_not_answer() {
     }
     e.shutdown().await;
 }
+
+#[tokio::test]
+async fn the_dashboard_session_opens_with_the_token_only_and_its_cookie_is_httponly_and_strict() {
+    let e = builder()
+        .admin_token(Some("s3cret".into()))
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let base = format!("http://{}", e.admin_addr);
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    // Without a session: the login form, not the dashboard.
+    let page = http.get(format!("{base}/")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    let html = page.text().await.unwrap();
+    assert!(html.contains("name=\"token\"") && !html.contains("id=\"flow-list\""));
+    // The script and style are open (they hold nothing), the graph is not.
+    assert_eq!(status(format!("{base}/ui/app.js"), None).await, 200);
+    assert_eq!(
+        status(format!("{base}/api/flows/f/graph.svg"), None).await,
+        401
+    );
+    let wrong = http
+        .post(format!("{base}/ui/login"))
+        .form(&[("token", "nope")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    assert!(wrong.headers().get("set-cookie").is_none());
+    let ok = http
+        .post(format!("{base}/ui/login"))
+        .form(&[("token", "s3cret")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 303);
+    let cookie = ok.headers()["set-cookie"].to_str().unwrap().to_string();
+    assert!(
+        cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
+        "{cookie}"
+    );
+    let session = cookie.split(';').next().unwrap().to_string();
+    // With the session: the dashboard, its CSRF token in the page.
+    let html = http
+        .get(format!("{base}/"))
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = html
+        .split("name=\"csrf\" content=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .unwrap()
+        .to_string();
+    assert_eq!(csrf.len(), 64, "{html}");
+    let get = http
+        .get(format!("{base}/api/stats"))
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 200, "reads need the cookie only");
+    let pause = |token: Option<&str>| {
+        let mut r = http
+            .post(format!("{base}/api/flows/f/pause"))
+            .header("cookie", &session);
+        if let Some(t) = token {
+            r = r.header("x-csrf-token", t);
+        }
+        r.send()
+    };
+    assert_eq!(pause(None).await.unwrap().status(), 403);
+    assert_eq!(pause(Some("0000")).await.unwrap().status(), 403);
+    assert_eq!(pause(Some(&csrf)).await.unwrap().status(), 200);
+    assert!(e.queue.is_paused("f").await.unwrap());
+    // Logged out, the cookie opens nothing.
+    http.post(format!("{base}/ui/logout"))
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap();
+    let after = http
+        .get(format!("{base}/api/stats"))
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(after.status(), 401);
+    e.shutdown().await;
+}
+
+#[tokio::test]
+async fn node_figures_count_calls_failures_and_held_messages_and_the_graph_shows_them() {
+    let flow = r#"
+id: limited
+nodes:
+  in: { type: webhook, path: in, to: [limit] }
+  limit: { type: rate-limit, rate: 1/min, to: [log] }
+  log: { type: log }
+"#;
+    let e = Engine::builder()
+        .queue_url("memory")
+        .http(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .flow_str("limited.yaml", flow)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    for n in 0..4 {
+        assert_eq!(post_json(&e, "in", json!({ "n": n })).await.status(), 202);
+    }
+    let base = format!("http://{}", e.admin_addr);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let figures = loop {
+        let v: serde_json::Value = reqwest::get(format!("{base}/api/flows/limited/nodes"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v[1]["held"] == 3 && v[2]["calls"] == 1 {
+            break v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v}");
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    };
+    assert_eq!(figures[1]["id"], "limit");
+    assert_eq!(figures[1]["calls"], 4, "{figures}");
+    assert_eq!(figures[0]["trigger"], true);
+    let svg = reqwest::get(format!("{base}/api/flows/limited/graph.svg"))
+        .await
+        .unwrap();
+    assert_eq!(svg.headers()["content-type"], "image/svg+xml");
+    let svg = svg.text().await.unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("data-node=\"limit\""));
+    assert!(svg.contains("4 runs · 0 failed · 3 held"), "{svg}");
+    assert_eq!(svg.matches("class=\"wire\"").count(), 2);
+    assert_eq!(
+        status(format!("{base}/api/flows/nope/nodes"), None).await,
+        404
+    );
+    e.shutdown().await;
+}

@@ -27,6 +27,7 @@ nodes:
   check:
     type: function
     script: |
+      if msg.payload.order == 13 {{ throw "unlucky order"; }}
       msg.payload.checked = true;
       msg
     to: [limit]
@@ -201,6 +202,89 @@ nodes:
         sink.count() == 2
     })
     .await;
+
+    // Cancel by hand from the table: the item leaves the waiting list and is listed among
+    // what was ended by hand.
+    browser
+        .click("#flow-orders button[data-action='pause']")
+        .await;
+    browser
+        .wait_for("#flow-orders[data-state='paused']", Duration::from_secs(10))
+        .await;
+    let post = |body: serde_json::Value| {
+        let url = format!("http://{}/hooks/orders", engine.addr);
+        async move {
+            let r = reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 202);
+            r.json::<serde_json::Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    let doomed = post(json!({ "order": 8 })).await;
+    browser.click("#tabs button[data-tab='parked']").await;
+    browser
+        .click(&format!(
+            "#items tr[data-id='{doomed}'] button[data-action='cancel']"
+        ))
+        .await;
+    browser.click("#tabs button[data-tab='ended']").await;
+    let row = format!("#items tr[data-id='{doomed}']");
+    browser.wait_for(&row, Duration::from_secs(10)).await;
+    assert!(browser.text(&row).await.contains("cancelled by hand"));
+    browser
+        .click("#flow-orders button[data-action='resume']")
+        .await;
+
+    // A dead letter shows its reason; replay puts it back, discard ends it by hand.
+    // (The event's wave goes on without the failed message, which becomes a dead letter
+    // of its own.)
+    post(json!({ "order": 13 })).await;
+    browser.click("#tabs button[data-tab='dead']").await;
+    browser
+        .wait_for("#items tr[data-state='dead']", Duration::from_secs(20))
+        .await;
+    let dead = browser
+        .attr("#items tr[data-state='dead']", "data-id")
+        .await
+        .unwrap();
+    let row = format!("#items tr[data-id='{dead}']");
+    let shown = browser.text(&row).await;
+    assert!(
+        shown.contains("check") && shown.contains("unlucky order"),
+        "the reason names the node and the error: {shown}"
+    );
+    browser
+        .click(&format!("{row} button[data-action='replay']"))
+        .await;
+    // The replay fails the same way: a new dead letter, and the replayed one leaves the
+    // list. Discard ends the new one by hand.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        let first = browser
+            .attr("#items tr[data-state='dead']", "data-id")
+            .await;
+        if let Some(id) = first.filter(|id| *id != dead) {
+            if browser.count(&row).await == 0 {
+                break id;
+            }
+        }
+        assert!(Instant::now() < deadline, "the replay never came back dead");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let row = format!("#items tr[data-id='{again}']");
+    browser
+        .click(&format!("{row} button[data-action='discard']"))
+        .await;
+    browser.click("#tabs button[data-tab='ended']").await;
+    browser.wait_for(&row, Duration::from_secs(10)).await;
+    assert!(browser.text(&row).await.contains("discarded by hand"));
 
     // For the record: the dashboard with the event parked.
     let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");

@@ -4,6 +4,7 @@
 
 const CSRF = document.querySelector('meta[name="csrf"]').content;
 const EVERY_MS = 1500;
+const OPEN_AT_FIRST = 12;
 let tab = "waiting";
 const runs = {}; // flow id -> run id being followed
 
@@ -75,8 +76,11 @@ function flowCard(f) {
     pause.onclick = () => act("POST", `/api/flows/${encodeURIComponent(f.id)}/pause`);
     resume.onclick = () => act("POST", `/api/flows/${encodeURIComponent(f.id)}/resume`);
     step.onclick = () => act("POST", `/api/flows/${encodeURIComponent(f.id)}/step`);
-    const bar = el("div", { class: "bar" }, name, badge, parked, pause, resume, step);
-    card = el("article", { class: "flow", id: `flow-${f.id}`, "data-flow": f.id }, bar);
+    const bar = el("summary", { class: "bar" }, name, badge, parked, pause, resume, step);
+    // Open at first for the first few flows only: a closed card's graph is not fetched.
+    const shown = document.querySelectorAll("#flow-list .flow").length;
+    card = el("details", { class: "flow", id: `flow-${f.id}`, "data-flow": f.id, open: shown < OPEN_AT_FIRST }, bar);
+    card.addEventListener("toggle", () => { if (card.open) refresh(); });
     if (f.description) card.append(el("p", { class: "desc" }, f.description));
     card.append(el("div", { class: "graph-box" }));
     if (f.nodes.some((n) => n.type === "manual")) {
@@ -107,9 +111,11 @@ async function refreshFlow(f, parked) {
   const card = flowCard(f);
   const n = parked[f.id] || 0;
   card.querySelector(".parked").textContent = n ? `${n} parked` : "";
-  const svg = await api("GET", `/api/flows/${encodeURIComponent(f.id)}/graph.svg`);
-  const box = card.querySelector(".graph-box");
-  if (box.dataset.svg !== svg) { box.innerHTML = svg; box.dataset.svg = svg; }
+  if (card.open) {
+    const svg = await api("GET", `/api/flows/${encodeURIComponent(f.id)}/graph.svg`);
+    const box = card.querySelector(".graph-box");
+    if (box.dataset.svg !== svg) { box.innerHTML = svg; box.dataset.svg = svg; }
+  }
   const run = runs[f.id];
   if (run) {
     const r = await api("GET", `/api/runs/${run}`);
