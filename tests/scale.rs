@@ -757,3 +757,53 @@ nodes:
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_stalled_past_the_reclaim_delay_does_not_run_the_wave_again() {
+    let redis = RedisServer::start();
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+id: slow
+nodes:
+  in: {{ type: webhook, path: in, to: [out] }}
+  out: {{ type: http-request, url: "{}", timeout: 10s }}
+"#,
+        sink.url("got")
+    );
+    // Both engines take over items idle 0.8 s in flight (the test kit's setting).
+    let a = start_on(&redis.url(), &[("slow.yaml", &flow)], Failpoints::new()).await;
+    let b = start_on(&redis.url(), &[("slow.yaml", &flow)], Failpoints::new()).await;
+    // The first call stalls for 2.5 s; whichever engine made it loses the item meanwhile.
+    sink.answer_after(2500);
+    assert_eq!(post_json(&a, "in", json!({ "n": 1 })).await.status(), 202);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get_json(&a, "/api/stats").await["in_flight"] != 1 {
+        assert!(Instant::now() < deadline, "never in flight");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sink.answer_after(0);
+    wait_for(
+        "the stalled call and the new owner's",
+        Duration::from_secs(20),
+        || sink.count() >= 2,
+    )
+    .await;
+    // The stalled engine's commit is refused; it must not run the wave (and call the sink)
+    // again for an item another engine has finished.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        sink.count(),
+        2,
+        "one call by the stalled engine, one by the engine that took the item over"
+    );
+    let s = get_json(&b, "/api/stats").await;
+    assert_eq!(
+        (s["in_flight"].as_u64(), s["ready"].as_u64()),
+        (Some(0), Some(0)),
+        "{s}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}

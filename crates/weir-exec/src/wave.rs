@@ -7,8 +7,8 @@ use std::time::Duration;
 use tracing::Instrument;
 use weir_nodes::{Emit, NodeCx, NodeError, WaveOut};
 use weir_queue::{
-    now_ms, Claimed, Committed, DoneKey, End, ItemKind, Message, Reply, StateKey, WaveEffects,
-    WorkItem,
+    now_ms, Claimed, Committed, DoneKey, End, ItemKind, ItemState, Message, Reply, StateKey,
+    WaveEffects, WorkItem,
 };
 use weir_state::Overlay;
 
@@ -102,8 +102,26 @@ impl Executor {
                         return;
                     }
                     Some(Committed::Conflict) => {
-                        tracing::debug!("commit conflict; running the wave again");
-                        continue;
+                        // A state version or a guard moved: run again. But an item this
+                        // engine no longer holds (reclaimed by another engine while this
+                        // one stalled, or ended by hand) is not run again here: its new
+                        // owner runs it, and a rerun would only repeat side effects.
+                        match self.queue.get(c.item.id).await {
+                            Ok(Some(v))
+                                if !matches!(&v.state, ItemState::InFlight { consumer, .. } if *consumer == c.consumer) =>
+                            {
+                                tracing::warn!(
+                                    state = v.state.name(),
+                                    "commit refused: the item is no longer this engine's; not running it again"
+                                );
+                                metrics::counter!("weir_commits_refused_total", "why" => "not_owner").increment(1);
+                                return;
+                            }
+                            _ => {
+                                tracing::debug!("commit conflict; running the wave again");
+                                continue;
+                            }
+                        }
                     }
                     None => return,
                 }
