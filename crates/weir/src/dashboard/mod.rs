@@ -265,7 +265,9 @@ const PAD: f64 = 12.0;
 
 /// The flow as an SVG picture: triggers in the leftmost column, every other node one column
 /// right of the nearest node wired to it, wires as curves from output to input (a wire back
-/// to an earlier column loops under the boxes). Each node shows its id, type and figures.
+/// to an earlier column loops under the boxes). Each node shows its id, type and figures,
+/// and is coloured by what it is: a trigger, a timer (delay, rate limit), a side effect
+/// (a call, a publish, an answer, a log line), or a step of logic.
 pub(crate) fn graph_svg(f: &FlowRt, figures: &[Value]) -> String {
     use petgraph::visit::EdgeRef;
     let flow = &f.flow;
@@ -365,7 +367,11 @@ pub(crate) fn graph_svg(f: &FlowRt, figures: &[Value]) -> String {
         let class = if triggers.contains(node.id.as_str()) {
             "node trigger"
         } else {
-            "node"
+            match node.kind.as_str() {
+                "delay" | "rate-limit" => "node timing",
+                "http-request" | "http-response" | "mqtt-out" | "log" => "node effect",
+                _ => "node",
+            }
         };
         let failed = if num("failures") > 0 { " failed" } else { "" };
         let held = num("held");
