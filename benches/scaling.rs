@@ -2,8 +2,9 @@
 //! sharing one queue, each figure beside the bare Redis Streams loop measured on the same
 //! server in the same run, and the scaling ratio against one engine.
 //!
-//! The flow is webhook (202) → function → log. The load (16 keep-alive connections in all)
-//! is split over the engines' webhooks; any engine may run any event. Each run checks that
+//! Six flows, each webhook (202) → function → log. The load (16 keep-alive connections in
+//! all) is split over the engines' webhooks and the flows; any engine may run any event. A
+//! last run puts three engines on a three-node Redis Cluster with the flows in 8 shards. Each run checks that
 //! the events the engines ran equal the events they accepted. Redis runs with
 //! `appendonly yes`, `appendfsync always` (weir's recommended settings).
 //! Run: `cargo bench --bench scaling` (`WEIR_BENCH_SECS` sets the length of each load,
@@ -22,18 +23,25 @@ use weir_testkit::{metric_sum, WeirProcess};
 
 const CONNECTIONS: usize = 16;
 
-const FLOW: &str = r#"
-id: bench-accept
+/// Flows in the bench: the load is spread over their webhooks (`/hooks/bench-N`).
+const FLOWS: usize = 6;
+
+fn flow(i: usize) -> String {
+    format!(
+        r#"
+id: bench-{i}
 nodes:
-  hook: { type: webhook, path: bench-accept, to: [shape] }
+  hook: {{ type: webhook, path: bench-{i}, to: [shape] }}
   shape:
     type: function
     script: |
       msg.payload.seen = true;
       msg
     to: [log]
-  log: { type: log, level: debug }
-"#;
+  log: {{ type: log, level: debug }}
+"#
+    )
+}
 
 fn secs() -> Duration {
     let s: f64 = std::env::var("WEIR_BENCH_SECS")
@@ -45,6 +53,7 @@ fn secs() -> Duration {
 
 struct Run {
     engines: usize,
+    on: &'static str,
     accepted: f64,
     end_to_end: f64,
     ran_by: Vec<u64>,
@@ -52,12 +61,15 @@ struct Run {
     redis_cpu: f64,
 }
 
-async fn run(engines: usize, duration: Duration, redis: &RedisServer, redis_pid: u32) -> Run {
+/// `engines` engines on the queue `url`; `servers` are the Redis processes (for their CPU).
+async fn run(engines: usize, duration: Duration, url: &str, servers: &[u32]) -> Run {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("bench.yaml"), FLOW).unwrap();
+    for i in 0..FLOWS {
+        std::fs::write(dir.path().join(format!("bench-{i}.yaml")), flow(i)).unwrap();
+    }
     let mut ps = Vec::new();
     for _ in 0..engines {
-        ps.push(WeirProcess::start(dir.path(), &redis.url(), &[]).await);
+        ps.push(WeirProcess::start(dir.path(), url, &[]).await);
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let spec = |p: &WeirProcess, i: usize, d: Duration| LoadSpec {
@@ -66,8 +78,8 @@ async fn run(engines: usize, duration: Duration, redis: &RedisServer, redis_pid:
             .trim_start_matches("http://")
             .parse::<SocketAddr>()
             .unwrap(),
-        path: "/hooks/bench-accept".into(),
-        paths: 1,
+        path: "/hooks/bench-{n}".into(),
+        paths: FLOWS,
         body: Bytes::from_static(br#"{"temperature":21.5,"room":"kitchen"}"#),
         // 16 in all, split as evenly as they go.
         connections: CONNECTIONS / engines + usize::from(i < CONNECTIONS % engines),
@@ -86,7 +98,8 @@ async fn run(engines: usize, duration: Duration, redis: &RedisServer, redis_pid:
     .map(|r| r.ok())
     .sum();
     let cpu0: Vec<Duration> = ps.iter().map(|p| cpu_time(p.pid())).collect();
-    let rcpu0 = cpu_time(redis_pid);
+    let server_cpu = || servers.iter().map(|p| cpu_time(*p)).sum::<Duration>();
+    let rcpu0 = server_cpu();
     let t0 = Instant::now();
     let reports = futures::future::join_all(
         ps.iter()
@@ -112,17 +125,10 @@ async fn run(engines: usize, duration: Duration, redis: &RedisServer, redis_pid:
         .zip(cpu0)
         .map(|(p, c)| (cpu_time(p.pid()) - c).as_secs_f64() / all)
         .collect();
-    let redis_cpu = (cpu_time(redis_pid) - rcpu0).as_secs_f64() / all;
+    let redis_cpu = (server_cpu() - rcpu0).as_secs_f64() / all;
     let mut ran_by = Vec::new();
     for p in &ps {
-        ran_by.push(
-            metric_sum(
-                &p.base,
-                "weir_items_ended_total",
-                &["flow=\"bench-accept\""],
-            )
-            .await,
-        );
+        ran_by.push(metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-"]).await);
     }
     assert_eq!(
         ran_by.iter().sum::<u64>(),
@@ -134,6 +140,7 @@ async fn run(engines: usize, duration: Duration, redis: &RedisServer, redis_pid:
     }
     Run {
         engines,
+        on: "",
         accepted: accepted as f64 / accept_secs,
         end_to_end: accepted as f64 / all,
         ran_by,
@@ -146,34 +153,46 @@ async fn bench() {
     let duration = secs();
     let redis = RedisServer::start();
     let redis_pid = redis.pid().expect("the bench's redis-server runs");
+    println!("redis: appendonly yes, appendfsync always (the servers this bench starts)");
     println!(
-        "redis: appendonly yes, appendfsync always (the server this bench starts, pid {redis_pid})"
-    );
-    println!(
-        "load: {CONNECTIONS} keep-alive connections split over the engines, {duration:?} per run, on {} cores shared by everything",
+        "load: {CONNECTIONS} keep-alive connections split over the engines and over {FLOWS} flows, {duration:?} per run, on {} cores shared by everything",
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
     );
     let before = redis_streams_loop(&redis.url(), 256, 200).await;
     let mut runs = Vec::new();
     for n in 1..=3 {
-        let r = run(n, duration, &redis, redis_pid).await;
+        let mut r = run(n, duration, &redis.url(), &[redis_pid]).await;
+        r.on = "one redis-server";
+        runs.push(r);
+    }
+    let ceiling = before.max(redis_streams_loop(&redis.url(), 256, 200).await);
+    drop(redis);
+    // The same three engines on a three-node Redis Cluster, the flows spread over 8 shards.
+    let cluster = weir_queue::testing::RedisCluster::start();
+    let url = format!("{}?shards=8", cluster.url());
+    let mut r = run(3, duration, &url, &cluster.pids()).await;
+    r.on = "3-node Redis Cluster, 8 shards";
+    runs.push(r);
+    drop(cluster);
+    for r in &runs {
         println!(
-            "{n} engine(s): {:.0} events/s accepted, {:.0}/s end to end; ran by engine {:?}; CPU per engine {:?}, redis-server {:.2}",
+            "{} engine(s) on {}: {:.0} events/s accepted, {:.0}/s end to end; ran by engine {:?}; CPU per engine {:?}, Redis {:.2}",
+            r.engines,
+            r.on,
             r.accepted,
             r.end_to_end,
             r.ran_by,
             r.cpu.iter().map(|c| format!("{c:.2}")).collect::<Vec<_>>(),
             r.redis_cpu
         );
-        runs.push(r);
     }
-    let ceiling = before.max(redis_streams_loop(&redis.url(), 256, 200).await);
-    println!("\n--- scaling on one Redis, beside the ceiling measured in this run ---");
+    println!("\n--- scaling on Redis, beside the ceiling measured in this run ---");
     let one = runs[0].end_to_end;
     for r in &runs {
         println!(
-            "{} engine(s): {:>6.0} events/s end to end ({:>6.0}/s accepted) | scaling vs 1 engine {:.2} | bare XADD+XREADGROUP+XACK (256 a round) {:.0}/s, ratio {:.2} | redis-server CPU {:.2} cores",
+            "{} engine(s) on {}: {:>6.0} events/s end to end ({:>6.0}/s accepted) | scaling vs 1 engine {:.2} | bare XADD+XREADGROUP+XACK on one server (256 a round) {:.0}/s, ratio {:.2} | Redis CPU {:.2} cores",
             r.engines,
+            r.on,
             r.end_to_end,
             r.accepted,
             r.end_to_end / one,

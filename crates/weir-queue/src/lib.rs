@@ -229,8 +229,11 @@ pub struct ListFilter {
 ///
 /// - **Journaling.** When `add` returns `Ok`, its items are durable (for a durable backend)
 ///   and will be delivered at least once. A batch is all-or-nothing.
-/// - **Order.** Ready items are claimed in journal order (the order they were added, or
-///   became ready). Items of one flow are never handed out out of that order by one claim.
+/// - **Order.** Ready items of one flow are claimed in journal order (the order they were
+///   added, or became ready), and one claim never hands them out of that order. Across
+///   flows, a backend that shards by flow takes from every shard in turn, so that a busy
+///   flow does not hold up the others; a backend with one journal keeps journal order
+///   across flows too.
 /// - **Delivery.** `claim` hands an item to one consumer and bumps `deliveries` durably before
 ///   returning it, so an item that crashes the engine still reaches the delivery ceiling.
 ///   A claimed item stays in flight until its commit; `reclaim_stale` makes items idle longer

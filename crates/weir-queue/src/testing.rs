@@ -173,6 +173,11 @@ impl RedisCluster {
         c
     }
 
+    /// The nodes' process ids.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(|c| c.id()).collect()
+    }
+
     /// `redis-cluster://` with every node.
     pub fn url(&self) -> String {
         let nodes: Vec<String> = self

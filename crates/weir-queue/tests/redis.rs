@@ -203,3 +203,44 @@ async fn an_engine_with_another_number_of_shards_is_refused_with_the_way_out() {
         "another namespace keeps its own"
     );
 }
+
+#[tokio::test]
+async fn a_busy_shard_does_not_starve_the_flows_of_another() {
+    use weir_queue::redis::keys::shard_of;
+    let server = RedisServer::start();
+    let opts = RedisOptions {
+        shards: 4,
+        ..RedisOptions::default()
+    };
+    let q = RedisQueue::connect(&server.url(), opts, Failpoints::new())
+        .await
+        .unwrap();
+    // A busy flow in the first shard, a quiet one in the last.
+    let name = |shard: u32| {
+        (0..)
+            .map(|i| format!("flow-{i}"))
+            .find(|f| shard_of(f, 4) == shard)
+            .unwrap()
+    };
+    let (busy, quiet) = (name(0), name(3));
+    let many: Vec<WorkItem> = (0..200)
+        .map(|n| WorkItem::cascade(&busy, "in", "test", vec![json!({ "payload": n })]))
+        .collect();
+    q.add(many).await.unwrap();
+    let lone = WorkItem::cascade(&quiet, "in", "test", vec![json!({ "payload": "lone" })]);
+    let lone_id = lone.id;
+    q.add(vec![lone]).await.unwrap();
+    let got = q.claim("a", 16, Duration::ZERO).await.unwrap();
+    assert_eq!(got.len(), 16, "a claim still fills up from the busy shard");
+    assert!(
+        got.iter().any(|c| c.item.id == lone_id),
+        "the quiet flow's item is in the first claim, not after the busy flow's 200"
+    );
+    // Within the busy flow, journal order holds.
+    let ns: Vec<i64> = got
+        .iter()
+        .filter(|c| c.item.flow == busy)
+        .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ns, (0..15).collect::<Vec<_>>());
+}

@@ -663,6 +663,8 @@ pub struct RedisQueue {
     /// Items `recover` claimed again, handed out by the next claims first.
     recovered: std::sync::Mutex<std::collections::VecDeque<Claimed>>,
     commits: CommitGroups,
+    /// The shard the next claim starts with (turning, so that none waits on another).
+    next_shard: std::sync::atomic::AtomicUsize,
     /// Something that must live as long as the queue (a test's own redis-server).
     _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
@@ -723,6 +725,7 @@ impl RedisQueue {
             failpoints,
             recovered: Default::default(),
             commits: Default::default(),
+            next_shard: Default::default(),
             _keep: None,
         };
         q.check_shards().await?;
@@ -855,6 +858,108 @@ impl RedisQueue {
             return Ok(None);
         }
         view(id, &h).map(Some)
+    }
+
+    /// Up to `n` ready items of shard `p`, claimed and decoded (an undecodable one is
+    /// dead-lettered with the reason, and the rest go on).
+    async fn claim_shard(
+        &self,
+        p: &str,
+        consumer: &str,
+        n: usize,
+    ) -> Result<Vec<Claimed>, QueueError> {
+        let rows: Vec<(String, u32, u64, String, String)> =
+            self.run(&self.scripts.claim, p, &[&consumer, &n]).await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for (id, deliveries, lease, stepped, body) in rows {
+            let mut item: WorkItem = match serde_json::from_str(&body) {
+                Ok(item) => item,
+                Err(e) => {
+                    // A poison entry: set it aside with the reason, go on with the rest.
+                    tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
+                    let reason = format!("undecodable item: {e}");
+                    if let Err(e) = self
+                        .run::<i64>(&self.scripts.bury, p, &[&id, &reason])
+                        .await
+                    {
+                        tracing::warn!(%id, error = %e, "cannot set the undecodable item aside yet; it comes back after the reclaim delay");
+                    }
+                    continue;
+                }
+            };
+            item.deliveries = deliveries;
+            item.not_before = None;
+            out.push(Claimed {
+                item,
+                lease,
+                consumer: consumer.to_string(),
+                stepped: stepped == "1",
+            });
+        }
+        Ok(out)
+    }
+
+    /// One claim over every shard, at most `max` items. With several shards, each is asked
+    /// for a fair share at once (one round trip's latency, not one per shard), starting from
+    /// a shard that turns with every round so that no shard's flows wait on another's; the
+    /// rest of `max` then comes from the shards that had more. Items already claimed are
+    /// handed out even when another shard fails (claimed and dropped, they would wait out
+    /// the reclaim delay).
+    async fn claim_round(&self, consumer: &str, max: usize) -> Result<Vec<Claimed>, QueueError> {
+        let shards = self.prefixes();
+        if shards.len() == 1 {
+            return self.claim_shard(&shards[0], consumer, max).await;
+        }
+        let k = shards.len();
+        let first = self
+            .next_shard
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            % k;
+        let order: Vec<&String> = (0..k).map(|i| &shards[(first + i) % k]).collect();
+        let mut out = Vec::new();
+        let mut more = Vec::new();
+        let mut failed = None;
+        // Shards in groups of at most what is still wanted (one each at least), until the
+        // claim is full or every shard was asked.
+        let mut i = 0;
+        while i < k && out.len() < max && failed.is_none() {
+            let want = max - out.len();
+            let group = &order[i..i + (k - i).min(want)];
+            let share = (want / group.len()).max(1);
+            let answers = futures::future::join_all(
+                group.iter().map(|p| self.claim_shard(p, consumer, share)),
+            )
+            .await;
+            for (p, a) in group.iter().zip(answers) {
+                match a {
+                    Ok(got) => {
+                        if got.len() == share {
+                            more.push(*p);
+                        }
+                        out.extend(got);
+                    }
+                    Err(e) => failed = Some(e),
+                }
+            }
+            i += group.len();
+        }
+        for p in more {
+            if out.len() >= max || failed.is_some() {
+                break;
+            }
+            match self.claim_shard(p, consumer, max - out.len()).await {
+                Ok(got) => out.extend(got),
+                Err(e) => failed = Some(e),
+            }
+        }
+        match failed {
+            Some(e) if out.is_empty() => Err(e),
+            Some(e) => {
+                tracing::warn!(error = %e, claimed = out.len(), "a shard could not be claimed from; handing out what the others gave");
+                Ok(out)
+            }
+            None => Ok(out),
+        }
     }
 
     /// Find an item's record in whichever shard holds it.
@@ -1149,35 +1254,7 @@ impl WorkQueue for RedisQueue {
         let deadline = tokio::time::Instant::now() + wait;
         let mut pause = Duration::from_millis(2);
         loop {
-            let mut out = Vec::new();
-            for p in self.prefixes() {
-                if out.len() >= max {
-                    break;
-                }
-                let rows: Vec<(String, u32, u64, String, String)> = self
-                    .run(&self.scripts.claim, &p, &[&consumer, &(max - out.len())])
-                    .await?;
-                for (id, deliveries, lease, stepped, body) in rows {
-                    let mut item: WorkItem = match serde_json::from_str(&body) {
-                        Ok(item) => item,
-                        Err(e) => {
-                            // A poison entry: set it aside with the reason, go on with the rest.
-                            tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
-                            let reason = format!("undecodable item: {e}");
-                            let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;
-                            continue;
-                        }
-                    };
-                    item.deliveries = deliveries;
-                    item.not_before = None;
-                    out.push(Claimed {
-                        item,
-                        lease,
-                        consumer: consumer.to_string(),
-                        stepped: stepped == "1",
-                    });
-                }
-            }
+            let out = self.claim_round(consumer, max).await?;
             if !out.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(out);
             }
