@@ -444,7 +444,7 @@ impl Engine {
             None => serve(listener, hooks.merge(admin), "webhooks and admin"),
         }
         let flows: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
-        tracing::info!(%addr, %admin_addr, ?flows, durable = queue.durable(), "weir engine started");
+        tracing::info!(%addr, %admin_addr, dashboard = %format!("http://{admin_addr}/"), ?flows, durable = queue.durable(), "weir engine started");
         Ok(RunningEngine {
             addr,
             admin_addr,
