@@ -4,6 +4,8 @@
 //! duplicates are counted and printed, and nothing is left in flight, delayed or held.
 //!
 //! The short version runs in CI (10 kills per backend); `WEIR_CHAOS_ROUNDS=N` runs longer.
+//! On Redis it also runs with three engines sharing the queue (one of them killed each
+//! round, the others going on; MQTT through a shared subscription).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,7 +56,7 @@ impl Lcg {
     }
 }
 
-async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
+async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str, engines: usize) {
     let rounds: usize = std::env::var("WEIR_CHAOS_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -62,27 +64,46 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
     let sink = Sink::start().await;
     let dir = flows(&sink);
     let mut broker = Mosquitto::start();
-    let args = ["--mqtt", &broker.url(), "--consumer", "chaos"];
-    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    let arg_refs = || args.iter().map(String::as_str).collect::<Vec<_>>();
+    // Each engine a stable consumer name (a restarted one takes back at once what it left)
+    // and, with several, its own MQTT client id on a shared subscription.
+    let args: Vec<Vec<String>> = (0..engines)
+        .map(|i| {
+            let mqtt = if engines == 1 {
+                broker.url()
+            } else {
+                format!("{}?client_id=chaos-{i}&share=weir", broker.url())
+            };
+            let mut a = vec!["--mqtt".to_string(), mqtt];
+            a.extend(["--consumer".to_string(), format!("chaos-{i}")]);
+            a.extend(["--reclaim-after".to_string(), "2".to_string()]);
+            a
+        })
+        .collect();
+    let arg_refs = |i: usize| args[i].iter().map(String::as_str).collect::<Vec<_>>();
     let device = MqttPeer::connect(broker.port, "chaos-device", None).await;
-    let mut rng = Lcg(0x5eed ^ label.len() as u64);
+    let mut rng = Lcg(0x5eed ^ (label.len() + engines) as u64);
     let accepted: Arc<Mutex<Vec<u64>>> = Arc::default();
     let mut published = 0u64;
     let mut next_hook = 0u64;
-    let mut e = WeirProcess::start(dir.path(), queue, &arg_refs()).await;
-    // The engine's MQTT session exists from here on: what the broker takes waits for it.
+    let mut es = Vec::new();
+    for i in 0..engines {
+        es.push(WeirProcess::start(dir.path(), queue, &arg_refs(i)).await);
+    }
+    // The engines' MQTT sessions exist from here on: what the broker takes waits for them.
     tokio::time::sleep(Duration::from_millis(300)).await;
     for round in 0..rounds {
-        // Load for a random while: webhooks from one task, MQTT from here.
+        // Load for a random while: webhooks from one task (to every engine in turn), MQTT
+        // from here.
         let running = Arc::new(AtomicBool::new(true));
         let poster = {
-            let (base, acc, run) = (e.base.clone(), accepted.clone(), running.clone());
+            let bases: Vec<String> = es.iter().map(|e| e.base.clone()).collect();
+            let (acc, run) = (accepted.clone(), running.clone());
             let start = next_hook;
             tokio::spawn(async move {
                 let c = reqwest::Client::new();
                 let mut n = start;
                 while run.load(Ordering::Relaxed) {
+                    let base = &bases[n as usize % bases.len()];
                     let r = c
                         .post(format!("{base}/hooks/ev"))
                         .json(&json!({ "n": n }))
@@ -113,8 +134,9 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
             published += 1;
             tokio::time::sleep(Duration::from_millis(8)).await;
         }
-        // Kill it mid-stride.
-        e.kill();
+        // Kill one mid-stride (the others go on).
+        let victim = rng.next(engines as u64) as usize;
+        es[victim].kill();
         running.store(false, Ordering::Relaxed);
         next_hook = poster.await.unwrap();
         // Now and then the broker, or Redis, goes down too.
@@ -131,7 +153,7 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
             }
             _ => {}
         }
-        e = WeirProcess::start(dir.path(), queue, &arg_refs()).await;
+        es[victim] = WeirProcess::start(dir.path(), queue, &arg_refs(victim)).await;
         if round % 3 == 0 {
             println!(
                 "[{label}] round {round}: {} webhooks accepted, {published} published so far",
@@ -164,8 +186,8 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
             break;
         }
         if Instant::now() > deadline {
-            let stats = e.stats().await;
-            let items = reqwest::get(format!("{}/api/dead-letters?limit=3", e.base))
+            let stats = es[0].stats().await;
+            let items = reqwest::get(format!("{}/api/dead-letters?limit=3", es[0].base))
                 .await
                 .unwrap()
                 .text()
@@ -184,7 +206,7 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
     // Nothing stuck: no item in flight, waiting or delayed, nothing held by the limits.
     let deadline = Instant::now() + Duration::from_secs(20);
     let stats = loop {
-        let s = e.stats().await;
+        let s = es[0].stats().await;
         let busy: u64 = ["ready", "in_flight", "delayed", "parked"]
             .iter()
             .map(|k| s[*k].as_u64().unwrap_or(0))
@@ -196,7 +218,9 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(stats["dead"], 0, "nothing dead-lettered: {stats}");
-    assert_eq!(e.stop(Duration::from_secs(15)).await, Some(0));
+    for e in es {
+        assert_eq!(e.stop(Duration::from_secs(15)).await, Some(0));
+    }
     let q = weir_queue::open(queue, weir_queue::Failpoints::new())
         .await
         .unwrap();
@@ -209,7 +233,7 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str) {
     }
     let twice = |m: HashMap<u64, usize>| m.values().map(|c| c - 1).sum::<usize>();
     println!(
-        "[{label}] {rounds} SIGKILLs: {} webhooks accepted and {published} MQTT messages published, all delivered; duplicates: {} webhook, {} mqtt",
+        "[{label}] {rounds} SIGKILLs of one of {engines} engine(s): {} webhooks accepted and {published} MQTT messages published, all delivered; duplicates: {} webhook, {} mqtt",
         accepted.len(),
         twice(count("hook", "n")),
         twice(count("mqtt", "m"))
@@ -223,6 +247,7 @@ async fn chaos_on_sqlite() {
         &format!("sqlite:{}/queue.db", data.path().display()),
         None,
         "sqlite",
+        1,
     )
     .await;
 }
@@ -231,5 +256,12 @@ async fn chaos_on_sqlite() {
 async fn chaos_on_redis() {
     let mut redis = RedisServer::start();
     let url = redis.url();
-    chaos(&url, Some(&mut redis), "redis").await;
+    chaos(&url, Some(&mut redis), "redis", 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_three_engines_on_redis() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    chaos(&url, Some(&mut redis), "redis×3", 3).await;
 }
