@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use weir_queue::testing::RedisServer;
 use weir_testkit::ceilings::{cpu_time, redis_streams_loop};
-use weir_testkit::load::{self, LoadSpec};
+use weir_testkit::load::{self, accept_flow, bench_secs, LoadSpec};
 use weir_testkit::{metric_sum, WeirProcess};
 
 const CONNECTIONS: usize = 16;
@@ -27,28 +27,7 @@ const CONNECTIONS: usize = 16;
 const FLOWS: usize = 6;
 
 fn flow(i: usize) -> String {
-    format!(
-        r#"
-id: bench-{i}
-nodes:
-  hook: {{ type: webhook, path: bench-{i}, to: [shape] }}
-  shape:
-    type: function
-    script: |
-      msg.payload.seen = true;
-      msg
-    to: [log]
-  log: {{ type: log, level: debug }}
-"#
-    )
-}
-
-fn secs() -> Duration {
-    let s: f64 = std::env::var("WEIR_BENCH_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(8.0);
-    Duration::from_secs_f64(s)
+    accept_flow(&format!("bench-{i}"), &format!("bench-{i}"))
 }
 
 struct Run {
@@ -150,7 +129,7 @@ async fn run(engines: usize, duration: Duration, url: &str, servers: &[u32]) -> 
 }
 
 async fn bench() {
-    let duration = secs();
+    let duration = bench_secs();
     let redis = RedisServer::start();
     let redis_pid = redis.pid().expect("the bench's redis-server runs");
     println!("redis: appendonly yes, appendfsync always (the servers this bench starts)");

@@ -23,7 +23,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use weir_testkit::ceilings::{fsyncs_per_second, rss_kib};
-use weir_testkit::load::{self, LoadReport, LoadSpec};
+use weir_testkit::load::{self, accept_flow, bench_secs, LoadReport, LoadSpec};
 use weir_testkit::{metric_sum, weir_bin, Mosquitto, WeirProcess};
 
 const CONNECTIONS: usize = 16;
@@ -40,31 +40,6 @@ nodes:
     to: [answer]
   answer: { type: http-response, status: 200 }
 "#;
-
-fn accept_flow(id: &str, path: &str) -> String {
-    format!(
-        r#"
-id: {id}
-nodes:
-  hook: {{ type: webhook, path: {path}, to: [shape] }}
-  shape:
-    type: function
-    script: |
-      msg.payload.seen = true;
-      msg
-    to: [log]
-  log: {{ type: log, level: debug }}
-"#
-    )
-}
-
-fn secs() -> Duration {
-    let s: f64 = std::env::var("WEIR_BENCH_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(8.0);
-    Duration::from_secs_f64(s)
-}
 
 fn addr(base: &str) -> SocketAddr {
     base.trim_start_matches("http://").parse().expect("address")
@@ -170,7 +145,7 @@ fn time_to_healthy(flows: &Path, queue: &str, mqtt: &str) -> Duration {
 }
 
 async fn bench() {
-    let duration = secs();
+    let duration = bench_secs();
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
     let fsync = fsyncs_per_second(tmp.path());

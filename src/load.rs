@@ -160,3 +160,30 @@ async fn connection(
     }
     r
 }
+
+/// A flow for the accepted-then-run benchmarks: webhook `path` (202) → function → log.
+pub fn accept_flow(id: &str, path: &str) -> String {
+    format!(
+        r#"
+id: {id}
+nodes:
+  hook: {{ type: webhook, path: {path}, to: [shape] }}
+  shape:
+    type: function
+    script: |
+      msg.payload.seen = true;
+      msg
+    to: [log]
+  log: {{ type: log, level: debug }}
+"#
+    )
+}
+
+/// The length of each benchmark load: `WEIR_BENCH_SECS`, default 8 s.
+pub fn bench_secs() -> Duration {
+    let s: f64 = std::env::var("WEIR_BENCH_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8.0);
+    Duration::from_secs_f64(s)
+}
