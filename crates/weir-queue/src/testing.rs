@@ -128,9 +128,13 @@ impl RedisCluster {
             dir,
             children: Vec::new(),
         };
-        for _ in 0..3 {
-            let port = free_cluster_port();
-            let d = c.dir.path().join(port.to_string());
+        for i in 0..3 {
+            // Three different ports (a port just freed can be handed out again).
+            let port = (0..100)
+                .map(|_| free_cluster_port())
+                .find(|p| !c.ports.contains(p))
+                .expect("three different free ports");
+            let d = c.dir.path().join(format!("node-{i}"));
             std::fs::create_dir(&d).expect("node directory");
             let child = Command::new("redis-server")
                 .args(["--port", &port.to_string()])
