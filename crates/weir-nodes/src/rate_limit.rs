@@ -174,6 +174,9 @@ impl RateLimit {
         key: &str,
         want: u32,
     ) -> Result<(u32, Duration), NodeError> {
+        if want == 0 {
+            return Ok((0, Duration::ZERO));
+        }
         if self.scope == Scope::Cluster && cx.shares_quotas() {
             let q = cx
                 .take_quota(&format!("quota/{key}"), self.every, self.burst, want)

@@ -192,6 +192,7 @@ async fn an_engine_with_another_number_of_shards_is_refused_with_the_way_out() {
         e.contains("4 shards") && e.contains("shards=2") && e.contains("ns="),
         "{e}"
     );
+    assert!(!e.contains("  "), "one sentence, no runs of spaces: {e}");
     let other_ns = RedisOptions {
         namespace: "other".into(),
         ..opts(2)

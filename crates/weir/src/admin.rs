@@ -167,11 +167,7 @@ async fn start_run(
     body: Option<Json<serde_json::Value>>,
 ) -> Response {
     let Some(f) = a.flows.get(&id) else {
-        return (
-            StatusCode::NOT_FOUND,
-            Json(json!({ "error": format!("no flow `{id}`") })),
-        )
-            .into_response();
+        return no_flow(&id);
     };
     let Some((node, _)) = f
         .flow
@@ -486,11 +482,7 @@ async fn flow_action(
     Path((id, action)): Path<(String, String)>,
 ) -> Response {
     if a.flows.get(&id).is_none() {
-        return (
-            StatusCode::NOT_FOUND,
-            Json(json!({ "error": format!("no flow `{id}`") })),
-        )
-            .into_response();
+        return no_flow(&id);
     }
     let r = match action.as_str() {
         "pause" => a
@@ -548,11 +540,7 @@ async fn dashboard_logout(State(a): State<Admin>, headers: axum::http::HeaderMap
 /// holds.
 async fn flow_nodes(State(a): State<Admin>, Path(id): Path<String>) -> Response {
     let Some(f) = a.flows.get(&id) else {
-        return (
-            StatusCode::NOT_FOUND,
-            Json(json!({ "error": format!("no flow `{id}`") })),
-        )
-            .into_response();
+        return no_flow(&id);
     };
     Json(dashboard::node_figures(&*a.queue, &f).await).into_response()
 }
@@ -560,11 +548,7 @@ async fn flow_nodes(State(a): State<Admin>, Path(id): Path<String>) -> Response 
 /// `GET /api/flows/{id}/graph.svg`: the flow drawn, with each node's figures.
 async fn flow_graph(State(a): State<Admin>, Path(id): Path<String>) -> Response {
     let Some(f) = a.flows.get(&id) else {
-        return (
-            StatusCode::NOT_FOUND,
-            Json(json!({ "error": format!("no flow `{id}`") })),
-        )
-            .into_response();
+        return no_flow(&id);
     };
     let figures = dashboard::node_figures(&*a.queue, &f).await;
     (
@@ -573,6 +557,14 @@ async fn flow_graph(State(a): State<Admin>, Path(id): Path<String>) -> Response 
             (axum::http::header::CACHE_CONTROL, "no-store"),
         ],
         dashboard::graph_svg(&f, &figures),
+    )
+        .into_response()
+}
+
+fn no_flow(id: &str) -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        Json(json!({ "error": format!("no flow `{id}`") })),
     )
         .into_response()
 }

@@ -203,15 +203,7 @@ local n = 0
 for _, e in ipairs(res[2]) do
   local eid, f = e[1], e[2]
   ACKS[#ACKS + 1] = eid
-  if f then
-    local id = f[2]
-    local k = ik(id)
-    local st, entry = unpack(redis.call('HMGET', k, 'st', 'entry'))
-    if st == 'in_flight' and entry == eid then
-      make_ready(id, false)
-      n = n + 1
-    end
-  end
+  if f then n = n + requeue(f[2], eid) end
 end
 return {n, res[1]}
 "#;
@@ -227,14 +219,7 @@ for _, e in ipairs(p) do
   local eid = e[1]
   ACKS[#ACKS + 1] = eid
   local r = redis.call('XRANGE', STREAM, eid, eid)[1]
-  if r then
-    local id = r[2][2]
-    local st, entry = unpack(redis.call('HMGET', ik(id), 'st', 'entry'))
-    if st == 'in_flight' and entry == eid then
-      make_ready(id, false)
-      n = n + 1
-    end
-  end
+  if r then n = n + requeue(r[2][2], eid) end
 end
 local left = 0
 if #p < tonumber(ARGV[4]) then
@@ -749,7 +734,11 @@ impl RedisQueue {
             .map_err(|e| QueueError::Open(format!("cannot read {k}: {e}")))?;
         if have != want {
             return Err(QueueError::Open(format!(
-                "the queue in namespace `{ns}` has {have} shards and this engine was started with                  shards={want}: every engine on a namespace must use the same number. To change                  it, drain the queue (nothing waiting, in flight, delayed, parked or dead),                  delete the key {k}, and start with the new number; or use another namespace (ns=…)",
+                "the queue in namespace `{ns}` has {have} shards and this engine was started \
+                 with shards={want}: every engine on a namespace must use the same number. To \
+                 change it, drain the queue (nothing waiting, in flight, delayed, parked or \
+                 dead), delete the key {k}, and start with the new number; or use another \
+                 namespace (ns=…)",
                 ns = self.opts.namespace
             )));
         }

@@ -157,6 +157,17 @@ local function make_ready(id, stepped)
   redis.call('HDEL', k, 'due', 'consumer', 'since')
 end
 
+-- An in-flight item whose pending entry `eid` is being taken from its consumer: ready
+-- again (a new entry) if that entry is still its own; returns 1 if so, else 0.
+local function requeue(id, eid)
+  local st, entry = unpack(redis.call('HMGET', ik(id), 'st', 'entry'))
+  if st == 'in_flight' and entry == eid then
+    make_ready(id, false)
+    return 1
+  end
+  return 0
+end
+
 -- Make ready those of `ids` still in state `st`; returns how many.
 local function ready_those(ids, st)
   local n = 0

@@ -34,10 +34,10 @@ struct Session {
     until: Instant,
 }
 
-/// The dashboard's login sessions.
+/// The dashboard's login sessions, by cookie.
 #[derive(Default)]
 pub(crate) struct Sessions {
-    map: Mutex<(HashMap<String, Session>, VecDeque<String>)>,
+    map: Mutex<HashMap<String, Session>>,
 }
 
 /// 32 random bytes from the operating system's generator, as hex.
@@ -50,30 +50,29 @@ fn secret() -> String {
 }
 
 impl Sessions {
-    /// A new session: its id (the cookie) and its CSRF token.
+    /// A new session: its id (the cookie) and its CSRF token. Expired sessions go first;
+    /// past the bound, the one that expires soonest (the oldest) makes room.
     pub(crate) fn open(&self) -> (String, String) {
         let (id, csrf) = (secret(), secret());
         let mut m = self.map.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
-        m.0.retain(|_, s| s.until > now);
-        while m.0.len() >= SESSIONS_KEPT {
-            match m.1.pop_front() {
-                Some(old) => {
-                    m.0.remove(&old);
-                }
-                None => break,
+        m.retain(|_, s| s.until > now);
+        if m.len() >= SESSIONS_KEPT {
+            if let Some(oldest) = m
+                .iter()
+                .min_by_key(|(_, s)| s.until)
+                .map(|(k, _)| k.clone())
+            {
+                m.remove(&oldest);
             }
         }
-        let live: std::collections::HashSet<String> = m.0.keys().cloned().collect();
-        m.1.retain(|k| live.contains(k));
-        m.0.insert(
+        m.insert(
             id.clone(),
             Session {
                 csrf: csrf.clone(),
                 until: now + SESSION_TTL,
             },
         );
-        m.1.push_back(id.clone());
         (id, csrf)
     }
 
@@ -81,7 +80,7 @@ impl Sessions {
     pub(crate) fn csrf_of(&self, headers: &HeaderMap) -> Option<String> {
         let id = cookie(headers, COOKIE)?;
         let m = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        m.0.get(&id)
+        m.get(&id)
             .filter(|s| s.until > Instant::now())
             .map(|s| s.csrf.clone())
     }
@@ -91,7 +90,6 @@ impl Sessions {
             self.map
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .0
                 .remove(&id);
         }
     }
@@ -425,5 +423,28 @@ mod tests {
         s.close(&h);
         assert!(!super::session_allows(&s, &Method::GET, &h), "closed");
         assert_ne!(super::secret(), super::secret());
+    }
+
+    #[test]
+    fn past_the_bound_the_oldest_session_makes_room() {
+        use axum::http::{HeaderMap, Method};
+        let s = super::Sessions::default();
+        let cookie = |id: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                axum::http::header::COOKIE,
+                format!("weir_session={id}").parse().unwrap(),
+            );
+            h
+        };
+        let (first, _) = s.open();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let (second, _) = s.open();
+        for _ in 2..super::SESSIONS_KEPT + 1 {
+            s.open();
+        }
+        assert_eq!(s.map.lock().unwrap().len(), super::SESSIONS_KEPT);
+        assert!(!super::session_allows(&s, &Method::GET, &cookie(&first)));
+        assert!(super::session_allows(&s, &Method::GET, &cookie(&second)));
     }
 }
