@@ -22,7 +22,9 @@ use weir_queue::{
     Committed, End, Failpoints, RedisOptions, RedisQueue, SqliteQueue, WaveEffects, WorkItem,
     WorkQueue,
 };
-use weir_testkit::ceilings::{fsyncs_per_second, redis_streams_loop, sqlite_batched};
+use weir_testkit::ceilings::{
+    bytes_written, cpu_time, fsyncs_per_second, redis_streams_loop, sqlite_batched,
+};
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
 const BATCH: usize = 256;
@@ -41,11 +43,23 @@ fn item() -> WorkItem {
 struct Tally {
     items: u64,
     time: Duration,
+    /// The process's CPU time (every thread) over the whole case.
+    cpu: Duration,
+    /// Bytes the process wrote over the whole case.
+    written: u64,
 }
 
 impl Tally {
     fn rate(&self) -> f64 {
         self.items as f64 / self.time.as_secs_f64().max(1e-9)
+    }
+
+    fn cpu_per_item(&self) -> Duration {
+        self.cpu / self.items.max(1) as u32
+    }
+
+    fn written_per_item(&self) -> f64 {
+        self.written as f64 / self.items.max(1) as f64
     }
 }
 
@@ -99,6 +113,8 @@ fn measure(
     q: &Arc<dyn WorkQueue>,
 ) -> Tally {
     let tally = Arc::new(Mutex::new(Tally::default()));
+    let cpu = cpu_time(std::process::id());
+    let written = bytes_written();
     let mut g = c.benchmark_group(group);
     g.sample_size(10).measurement_time(Duration::from_secs(5));
     g.throughput(Throughput::Elements(per_iter));
@@ -119,7 +135,9 @@ fn measure(
         })
     });
     g.finish();
-    let t = std::mem::take(&mut *tally.lock().unwrap());
+    let mut t = std::mem::take(&mut *tally.lock().unwrap());
+    t.cpu = cpu_time(std::process::id()) - cpu;
+    t.written = bytes_written() - written;
     t
 }
 
@@ -130,28 +148,56 @@ fn bench(c: &mut Criterion) {
         .build()
         .unwrap();
     let mut report = Vec::new();
+    // `WEIR_BENCH_BACKEND=sqlite` (or `redis`) runs one backend alone, for profiling.
+    let only = std::env::var("WEIR_BENCH_BACKEND").unwrap_or_default();
+    if only.is_empty() || only == "sqlite" {
+        sqlite_cases(c, &rt, &mut report);
+    }
+    if only.is_empty() || only == "redis" {
+        redis_cases(c, &rt, &mut report);
+    }
+    println!("\n--- add → claim → ack, beside the ceilings measured in this run ---");
+    for line in report {
+        println!("{line}");
+    }
+}
 
-    // ---- sqlite ----
+fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec<String>) {
     let sqlite_q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
     let sqlite: Arc<dyn WorkQueue> = sqlite_q.clone();
     let dir = tempfile::tempdir().unwrap();
     let fsync = fsyncs_per_second(dir.path());
     let bare_before = sqlite_batched(dir.path(), BATCH, 3.0);
-    println!("sqlite: WAL, synchronous=FULL; fsync ceiling on this machine: {fsync:.0}/s; bare batched queue (256 operations per transaction): {bare_before:.0} items/s");
+    println!(
+        "sqlite: WAL, synchronous=FULL; fsync ceiling on this machine: {fsync:.0}/s; bare batched queue (256 operations per transaction): {:.0} items/s",
+        bare_before.rate
+    );
     let mut sqlite_runs = Vec::new();
     for (name, per_iter) in [("single", 1u64), ("batched", BATCH as u64)] {
         let tx_before = sqlite_q.batches();
-        let tally = measure(c, &rt, "sqlite", name, per_iter, &sqlite);
+        let tally = measure(c, rt, "sqlite", name, per_iter, &sqlite);
         let rate = tally.rate();
         // Both counts cover the same runs (criterion's warm-up included).
         let per_tx = tally.items as f64 / ((sqlite_q.batches() - tx_before) as f64).max(1.0);
-        sqlite_runs.push((name, per_iter, rate, per_tx));
+        sqlite_runs.push((
+            name,
+            per_iter,
+            rate,
+            per_tx,
+            tally.cpu_per_item(),
+            tally.written_per_item(),
+        ));
     }
     // The disk's speed drifts over a run: the ceiling is measured before and after weir's
     // runs, and the better of the two is the one weir is held to.
-    let bare = bare_before.max(sqlite_batched(dir.path(), BATCH, 3.0));
+    let bare_after = sqlite_batched(dir.path(), BATCH, 3.0);
+    let bare = bare_before.rate.max(bare_after.rate);
+    let bare_cpu = bare_before.cpu_per_item.min(bare_after.cpu_per_item);
+    let bare_written = bare_before
+        .written_per_item
+        .min(bare_after.written_per_item);
     let fsync = fsync.max(fsyncs_per_second(dir.path()));
-    for (name, per_iter, rate, per_tx) in sqlite_runs {
+    for (name, per_iter, rate, per_tx, cpu, written) in sqlite_runs {
         let tx_rate = rate / per_tx;
         report.push(if per_iter == 1 {
             format!(
@@ -160,8 +206,10 @@ fn bench(c: &mut Criterion) {
             )
         } else {
             format!(
-                "sqlite {name:>7}: {rate:>9.0} items/s | {per_tx:>5.1} items per transaction | bare batched SQLite {bare:>7.0} items/s | ratio {:.2}",
-                rate / bare
+                "sqlite {name:>7}: {rate:>9.0} items/s | {per_tx:>5.1} items per transaction | bare batched SQLite {bare:>7.0} items/s | ratio {:.2} | per item: CPU {:.1} µs, bare {:.1} µs; written {written:.0} B, bare {bare_written:.0} B",
+                rate / bare,
+                cpu.as_secs_f64() * 1e6,
+                bare_cpu.as_secs_f64() * 1e6,
             )
         });
     }
@@ -171,8 +219,9 @@ fn bench(c: &mut Criterion) {
         (0, 0),
         "everything journaled was acknowledged"
     );
+}
 
-    // ---- redis ----
+fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec<String>) {
     let server = RedisServer::start();
     let redis_q: Arc<dyn WorkQueue> = Arc::new(
         rt.block_on(RedisQueue::connect(
@@ -188,7 +237,7 @@ fn bench(c: &mut Criterion) {
     let rates: Vec<f64> = [1u64, BATCH as u64]
         .iter()
         .zip(["single", "batched"])
-        .map(|(&per_iter, name)| measure(c, &rt, "redis", name, per_iter, &redis_q).rate())
+        .map(|(&per_iter, name)| measure(c, rt, "redis", name, per_iter, &redis_q).rate())
         .collect();
     // As for SQLite: the better of the ceilings measured before and after weir's runs.
     let raw_single = raw_single.max(rt.block_on(redis_streams_loop(&server.url(), 1, 2000)));
@@ -208,11 +257,6 @@ fn bench(c: &mut Criterion) {
         (0, 0),
         "everything journaled was acknowledged"
     );
-
-    println!("\n--- add → claim → ack, beside the ceilings measured in this run ---");
-    for line in report {
-        println!("{line}");
-    }
 }
 
 criterion_group!(benches, bench);

@@ -21,10 +21,20 @@ pub fn fsyncs_per_second(dir: &Path) -> f64 {
     n as f64 / t.elapsed().as_secs_f64()
 }
 
+/// What the bare SQLite queue did: items per second, and the process's CPU time (user +
+/// system, every thread) per item.
+#[derive(Debug, Clone, Copy)]
+pub struct Bare {
+    pub rate: f64,
+    pub cpu_per_item: std::time::Duration,
+    /// Bytes the process wrote (to its files, through `write`) per item.
+    pub written_per_item: f64,
+}
+
 /// The batched-SQLite ceiling: a bare queue table in WAL mode with `synchronous=FULL`,
 /// items added, claimed and acknowledged `per_tx` operations to a transaction (one fsync
-/// each), for `secs` seconds. Items per second (each item costs three operations).
-pub fn sqlite_batched(dir: &Path, per_tx: usize, secs: f64) -> f64 {
+/// each), for `secs` seconds (each item costs three operations).
+pub fn sqlite_batched(dir: &Path, per_tx: usize, secs: f64) -> Bare {
     let path = dir.join("ceiling.db");
     let c = rusqlite::Connection::open(&path).expect("ceiling db");
     c.execute_batch(
@@ -38,6 +48,8 @@ pub fn sqlite_batched(dir: &Path, per_tx: usize, secs: f64) -> f64 {
     // One third of each transaction adds, one claims, one acknowledges.
     let third = (per_tx / 3).max(1);
     let t = Instant::now();
+    let cpu = cpu_time(std::process::id());
+    let written = bytes_written();
     let mut items = 0u64;
     let mut next = 0u64;
     while t.elapsed().as_secs_f64() < secs {
@@ -71,12 +83,27 @@ pub fn sqlite_batched(dir: &Path, per_tx: usize, secs: f64) -> f64 {
         c.execute_batch("COMMIT").expect("commit");
         items += third as u64;
     }
-    let rate = items as f64 / t.elapsed().as_secs_f64();
+    let bare = Bare {
+        rate: items as f64 / t.elapsed().as_secs_f64(),
+        cpu_per_item: (cpu_time(std::process::id()) - cpu) / items.max(1) as u32,
+        written_per_item: (bytes_written() - written) as f64 / items.max(1) as f64,
+    };
     drop(c);
     for ext in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
     }
-    rate
+    bare
+}
+
+/// Bytes this process has written through `write` and `pwrite` so far (`wchar` in
+/// /proc/self/io): what a SQLite transaction puts in its WAL, repeatable where timings are not.
+pub fn bytes_written() -> u64 {
+    std::fs::read_to_string("/proc/self/io")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("wchar:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// Resident memory of process `pid` now and at its peak (VmRSS, VmHWM), in KiB.
