@@ -245,11 +245,15 @@ impl Executor {
                 tracing::warn!(error = %e, "could not look for items an earlier run left in flight; they come back after the reclaim delay")
             }
         }
+        // Claims run as tasks, each holding the in-flight permits it asked for, so that
+        // `claims_ahead` of them can wait in the backend at once.
+        let mut claims = tokio::task::JoinSet::new();
+        let ahead = self.queue.claims_ahead().max(1);
         loop {
             if shutdown.is_cancelled() {
                 break;
             }
-            let step = async {
+            let housekeeping = async {
                 let promotes = self.queue.promotes_due_items();
                 if !promotes {
                     self.queue.move_due(now_ms()).await?;
@@ -274,11 +278,6 @@ impl Executor {
                     last_prune = tokio::time::Instant::now();
                     self.prune().await;
                 }
-                let free = in_flight.available_permits().min(self.cfg.claim_batch);
-                if free == 0 {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                    return Ok(Vec::new());
-                }
                 let wait = match promotes {
                     true => Duration::from_millis(100),
                     false => match self.queue.next_due().await? {
@@ -286,20 +285,62 @@ impl Executor {
                         None => Duration::from_millis(100),
                     },
                 };
-                self.queue.claim(&self.cfg.consumer, free, wait).await
+                Ok::<_, weir_queue::QueueError>(wait)
             };
-            let claimed = tokio::select! {
+            let ready = tokio::select! {
                 _ = shutdown.cancelled() => break,
-                r = step => r,
+                r = housekeeping => r,
+            };
+            let claimed = match ready {
+                Ok(wait) => {
+                    while claims.len() < ahead {
+                        // The free permits shared among the claims still to be made.
+                        let free = in_flight
+                            .available_permits()
+                            .div_ceil(ahead - claims.len())
+                            .min(self.cfg.claim_batch);
+                        let Some(permits) = (free > 0)
+                            .then(|| in_flight.clone().try_acquire_many_owned(free as u32).ok())
+                            .flatten()
+                        else {
+                            break;
+                        };
+                        let (queue, consumer) = (self.queue.clone(), self.cfg.consumer.clone());
+                        claims.spawn(
+                            async move { (permits, queue.claim(&consumer, free, wait).await) },
+                        );
+                    }
+                    if claims.is_empty() {
+                        // Every permit is with a wave: wait for one to end.
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                        }
+                        continue;
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        Some(done) = claims.join_next() => match done {
+                            Ok((permits, answer)) => answer.map(|items| (permits, items)),
+                            Err(e) => {
+                                tracing::error!(error = %e, "a claim task failed");
+                                continue;
+                            }
+                        },
+                    }
+                }
+                Err(e) => Err(e),
             };
             match claimed {
-                Ok(items) => {
+                Ok((mut permits, items)) => {
                     if failures > 0 {
                         tracing::info!(failures, "queue backend is back");
                         failures = 0;
                     }
                     for c in items {
-                        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                        // One of the permits the claim asked for goes with each item; what
+                        // is left over goes back when `permits` is dropped.
+                        let Some(permit) = permits.split(1) else {
                             tracing::error!("in-flight bound exceeded; item left for redelivery");
                             continue;
                         };
@@ -331,6 +372,10 @@ impl Executor {
                 }
             }
         }
+        // Claims still waiting are dropped: what the backend hands them after this goes
+        // back to it (SQLite makes an unreceived answer ready again; `release` below).
+        claims.abort_all();
+        while claims.join_next().await.is_some() {}
         drop(dispatchers);
         tracker.close();
         if tokio::time::timeout(self.cfg.shutdown_grace, tracker.wait())

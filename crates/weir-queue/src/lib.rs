@@ -265,6 +265,15 @@ pub trait WorkQueue: StateRead + Send + Sync {
         false
     }
 
+    /// How many claims the executor keeps waiting at once. A claim that waits in the backend
+    /// is answered in the very transaction that journals an item, but only if it is there
+    /// then: with one claim, an item journaled while the previous answer is being handed
+    /// out waits for a later transaction, one more fsync of latency. A second claim waiting
+    /// meanwhile takes it at once. Backends whose claims poll keep one.
+    fn claims_ahead(&self) -> usize {
+        1
+    }
+
     /// Journal items (ready now, or delayed when `not_before` is in the future).
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError>;
 

@@ -1215,6 +1215,10 @@ impl WorkQueue for SqliteQueue {
         true
     }
 
+    fn claims_ahead(&self) -> usize {
+        2
+    }
+
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let max = self.max_ready;
         let rows = Encoded::all(items)?;
