@@ -225,3 +225,52 @@ async fn items_claimed_for_a_claimer_that_gave_up_are_ready_again() {
         .collect();
     assert_eq!(n, vec![json!(1), json!(2)], "in journal order");
 }
+
+/// The executor keeps `claims_ahead` claims waiting: while the first one's items are handed
+/// out, the second takes the next item in the very transaction that journals it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_waiting_claim_takes_the_next_item_in_its_own_transaction() {
+    let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+    assert!(q.claims_ahead() >= 2);
+    let wait = || {
+        let q = q.clone();
+        tokio::spawn(async move { q.claim("c", 8, Duration::from_secs(10)).await })
+    };
+    let (first, second) = (wait(), wait());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (a, b) = (item(1), item(2));
+    let (id_a, id_b) = (a.id, b.id);
+    q.add(vec![a]).await.unwrap();
+    // One claim takes the first item; the other is still waiting.
+    let (got, still_waiting) = match tokio::time::timeout(
+        Duration::from_secs(5),
+        futures::future::select(first, second),
+    )
+    .await
+    .expect("a waiting claim is answered at once")
+    {
+        futures::future::Either::Left((got, other)) => (got, other),
+        futures::future::Either::Right((got, other)) => (got, other),
+    };
+    let got = got.unwrap().unwrap();
+    assert_eq!(
+        got.iter().map(|c| c.item.id).collect::<Vec<_>>(),
+        vec![id_a]
+    );
+    let before = q.batches();
+    q.add(vec![b]).await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(5), still_waiting)
+        .await
+        .expect("the second claim is answered at once")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        next.iter().map(|c| c.item.id).collect::<Vec<_>>(),
+        vec![id_b]
+    );
+    assert_eq!(
+        q.batches() - before,
+        1,
+        "the second item was journaled and claimed in one transaction"
+    );
+}
