@@ -300,8 +300,11 @@ impl SqliteQueue {
                 "{shown}: the file system does not allow WAL mode (got `{mode}`)"
             )));
         }
+        // A checkpoint every 1,000 pages (4 MiB of WAL), SQLite's default: each one a short
+        // pause inside a commit. 4,000 was tried: longer pauses (echo p99 4.3-4.7 ms against
+        // 3.4-4.2 ms) and, with a longer WAL to search, more CPU per item, not less.
         conn.execute_batch(
-            "PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; PRAGMA wal_autocheckpoint=4000;",
+            "PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; PRAGMA wal_autocheckpoint=1000;",
         )
         .map_err(open_err)?;
         migrate(&mut conn).map_err(|e| match e {
