@@ -69,6 +69,28 @@ pub struct Claimed {
     pub stepped: bool,
 }
 
+impl Claimed {
+    /// An item a backend just claimed, decoded from the JSON it journaled, with the delivery
+    /// count the claim bumped. `Err` is a poison body, for the backend to set aside.
+    pub fn decode(
+        body: &str,
+        deliveries: u32,
+        lease: u64,
+        consumer: &str,
+        stepped: bool,
+    ) -> Result<Claimed, serde_json::Error> {
+        let mut item: WorkItem = serde_json::from_str(body)?;
+        item.deliveries = deliveries;
+        item.not_before = None;
+        Ok(Claimed {
+            item,
+            lease,
+            consumer: consumer.to_string(),
+            stepped,
+        })
+    }
+}
+
 /// How a claimed item ends.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum End {

@@ -1307,17 +1307,8 @@ impl WorkQueue for SqliteQueue {
         // Decoded here, off the writer's thread.
         let mut out = Vec::with_capacity(taken.len());
         for t in taken {
-            match unjson::<WorkItem>(&t.body) {
-                Ok(mut item) => {
-                    item.deliveries = t.deliveries;
-                    item.not_before = None;
-                    out.push(Claimed {
-                        item,
-                        lease: t.lease,
-                        consumer: consumer.to_string(),
-                        stepped: t.stepped,
-                    });
-                }
+            match Claimed::decode(&t.body, t.deliveries, t.lease, consumer, t.stepped) {
+                Ok(c) => out.push(c),
                 Err(e) => {
                     // A poison row: set aside with the reason; the ones around it go on.
                     // If setting it aside fails, the items claimed with it are still handed

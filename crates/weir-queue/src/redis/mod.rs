@@ -861,8 +861,8 @@ impl RedisQueue {
             self.run(&self.scripts.claim, p, &[&consumer, &n]).await?;
         let mut out = Vec::with_capacity(rows.len());
         for (id, deliveries, lease, stepped, body) in rows {
-            let mut item: WorkItem = match serde_json::from_str(&body) {
-                Ok(item) => item,
+            match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
+                Ok(c) => out.push(c),
                 Err(e) => {
                     // A poison entry: set it aside with the reason, go on with the rest.
                     tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
@@ -873,17 +873,8 @@ impl RedisQueue {
                     {
                         tracing::warn!(%id, error = %e, "cannot set the undecodable item aside yet; it comes back after the reclaim delay");
                     }
-                    continue;
                 }
-            };
-            item.deliveries = deliveries;
-            item.not_before = None;
-            out.push(Claimed {
-                item,
-                lease,
-                consumer: consumer.to_string(),
-                stepped: stepped == "1",
-            });
+            }
         }
         Ok(out)
     }
@@ -1383,17 +1374,8 @@ impl WorkQueue for RedisQueue {
                 )
                 .await?;
             for (id, deliveries, lease, stepped, body) in rows {
-                match serde_json::from_str::<WorkItem>(&body) {
-                    Ok(mut item) => {
-                        item.deliveries = deliveries;
-                        item.not_before = None;
-                        back.push(Claimed {
-                            item,
-                            lease,
-                            consumer: consumer.to_string(),
-                            stepped: stepped == "1",
-                        });
-                    }
+                match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
+                    Ok(c) => back.push(c),
                     Err(e) => {
                         let reason = format!("undecodable item: {e}");
                         let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;
