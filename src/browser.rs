@@ -147,14 +147,23 @@ impl Browser {
         .unwrap_or(0)
     }
 
+    /// Click the first element `css` selects. A click chromedriver refuses fails the test
+    /// with its reason, rather than being lost without a word.
     pub async fn click(&self, css: &str) {
         let e = self.wait_for(css, Duration::from_secs(10)).await;
-        self.call(
-            reqwest::Method::POST,
-            &format!("/element/{e}/click"),
-            Some(json!({})),
-        )
-        .await;
+        let v = self
+            .call(
+                reqwest::Method::POST,
+                &format!("/element/{e}/click"),
+                Some(json!({})),
+            )
+            .await;
+        if let Some(error) = v["error"].as_str() {
+            panic!(
+                "clicking `{css}` failed: {error}: {}",
+                v["message"].as_str().unwrap_or("")
+            );
+        }
     }
 
     pub async fn type_into(&self, css: &str, text: &str) {

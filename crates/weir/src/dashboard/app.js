@@ -165,8 +165,24 @@ async function refreshItems() {
     .filter((v) => /by hand/.test(v.outcome || "")).reverse().slice(0, 100);
   else rows = await api("GET", `/api/queue?state=${tab}&limit=100`);
   const body = document.querySelector("#items tbody");
+  // A row already shown for the same item in the same state is kept, its text brought up
+  // to date: a button being clicked as the table refreshes stays the button clicked.
+  const shown = body.dataset.tab === tab
+    ? new Map([...body.querySelectorAll("tr[data-id]")].map((tr) => [tr.dataset.id, tr]))
+    : new Map();
   body.dataset.tab = tab;
-  body.replaceChildren(...(rows.length ? rows.map(itemRow)
+  const keep = (fresh) => {
+    const tr = shown.get(fresh.dataset.id);
+    if (!tr || tr.dataset.state !== fresh.dataset.state) return fresh;
+    [...fresh.cells].slice(0, -1).forEach((td, i) => {
+      const old = tr.cells[i];
+      if (old.textContent !== td.textContent) old.textContent = td.textContent;
+      old.className = td.className;
+      old.title = td.title;
+    });
+    return tr;
+  };
+  body.replaceChildren(...(rows.length ? rows.map((v) => keep(itemRow(v)))
     : [el("tr", {}, el("td", { class: "empty", colSpan: 7 }, "nothing here"))]));
 }
 
