@@ -29,7 +29,9 @@ pub enum ItemKind {
     Run,
 }
 
-/// One unit of journaled work (DESIGN §2).
+/// One unit of journaled work (DESIGN §2). Fields that are `None` are left out of its JSON:
+/// most items have none of them, and the journal writes each item's JSON up to four times
+/// (add, claim, commit, delete), a page at a time.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkItem {
     pub version: u32,
@@ -45,18 +47,23 @@ pub struct WorkItem {
     /// Where it came from: `webhook:PATH`, `cron:NODE`, `delay:NODE`, `retry:NODE`, `replay:ID`…
     pub cause: String,
     /// Not to run before this time (ms since the epoch); `None` = ready now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_before: Option<i64>,
     /// A key in `node`'s memory that must still hold `guard_value` when the item runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guard_value: Option<serde_json::Value>,
     /// Bumped durably at each claim.
     pub deliveries: u32,
     /// Which try of a per-node retry (0 = not a retry).
     pub attempt: u32,
     /// The item this one descends from (retries, delays): the wave's reply goes to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub origin_id: Option<Ulid>,
     pub enqueued_at: i64,
     pub first_enqueued_at: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<String>,
 }
 
@@ -125,5 +132,48 @@ impl WorkItem {
 
     pub fn is_due(&self, now: i64) -> bool {
         self.not_before.is_none_or(|t| t <= now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_items_json_leaves_out_what_it_does_not_have_and_older_journals_still_read() {
+        let item = WorkItem::cascade("f", "in", "test", vec![serde_json::json!({"payload": 1})]);
+        let text = serde_json::to_string(&item).unwrap();
+        for absent in [
+            "not_before",
+            "guard_key",
+            "guard_value",
+            "origin_id",
+            "run_id",
+        ] {
+            assert!(!text.contains(absent), "{absent} is written: {text}");
+        }
+        assert_eq!(serde_json::from_str::<WorkItem>(&text).unwrap(), item);
+        // An item journaled by an earlier version, with every field written out.
+        let mut old: serde_json::Value = serde_json::to_value(&item).unwrap();
+        for absent in [
+            "not_before",
+            "guard_key",
+            "guard_value",
+            "origin_id",
+            "run_id",
+        ] {
+            old[absent] = serde_json::Value::Null;
+        }
+        assert_eq!(serde_json::from_value::<WorkItem>(old).unwrap(), item);
+        let timer = WorkItem {
+            not_before: Some(5),
+            guard_key: Some("k".into()),
+            guard_value: Some(serde_json::json!(3)),
+            origin_id: Some(Ulid::new()),
+            run_id: Some("r".into()),
+            ..item
+        };
+        let back: WorkItem = serde_json::from_str(&serde_json::to_string(&timer).unwrap()).unwrap();
+        assert_eq!(back, timer);
     }
 }
