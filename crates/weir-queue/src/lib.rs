@@ -67,6 +67,9 @@ pub struct Claimed {
     pub consumer: String,
     /// The item was handed out by a step of its paused flow: it runs instead of parking again.
     pub stepped: bool,
+    /// Where the backend keeps the item, when it has such a handle (SQLite: its row), so the
+    /// commit finds it without looking its id up; 0 when it has none.
+    pub slot: u64,
 }
 
 impl Claimed {
@@ -87,6 +90,7 @@ impl Claimed {
             lease,
             consumer: consumer.to_string(),
             stepped,
+            slot: 0,
         })
     }
 }

@@ -354,6 +354,7 @@ impl WorkQueue for MemoryQueue {
                         lease,
                         consumer: consumer.to_string(),
                         stepped,
+                        slot: 0,
                     });
                 }
                 if !out.is_empty() {

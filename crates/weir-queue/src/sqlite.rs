@@ -817,23 +817,29 @@ fn prune(conn: &Connection) -> Result<(), rusqlite::Error> {
 // ---- the writer's operations: plain functions over a connection inside a transaction ----
 
 fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueError> {
-    let (st, ord) = match row.due {
-        Some(t) => {
-            w.next_due = Some(w.next_due.map_or(t, |d| d.min(t)));
-            ("delayed", None)
-        }
-        None => {
-            w.ord += 1;
-            ("waiting", Some(w.ord))
-        }
-    };
+    insert_all(c, w, std::slice::from_ref(row))
+}
+
+/// Journal `rows` with one prepared statement (a look-up in the statement cache per batch,
+/// not per row).
+fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), QueueError> {
     // An id seen before is the same item added again (a retried add): keep the first.
-    let n = c
-        .prepare_cached(
-            "INSERT OR IGNORE INTO items (id, flow, st, ord, due, deliveries, enqueued_at, body)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-        )?
-        .execute(params![
+    let mut ins = c.prepare_cached(
+        "INSERT OR IGNORE INTO items (id, flow, st, ord, due, deliveries, enqueued_at, body)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?;
+    for row in rows {
+        let (st, ord) = match row.due {
+            Some(t) => {
+                w.next_due = Some(w.next_due.map_or(t, |d| d.min(t)));
+                ("delayed", None)
+            }
+            None => {
+                w.ord += 1;
+                ("waiting", Some(w.ord))
+            }
+        };
+        let n = ins.execute(params![
             row.id,
             row.flow,
             st,
@@ -843,9 +849,10 @@ fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueErro
             row.enqueued_at,
             row.body
         ])?;
-    if n > 0 && st == "waiting" {
-        w.ready += 1;
-        w.woke = true;
+        if n > 0 && st == "waiting" {
+            w.ready += 1;
+            w.woke = true;
+        }
     }
     Ok(())
 }
@@ -988,15 +995,17 @@ impl NewRows {
     }
 }
 
+/// `at` is the item's id and, when the claim gave it, its row.
 fn commit_wave(
     c: &Connection,
     w: &mut Writer,
-    id: Ulid,
+    at: (Ulid, Option<i64>),
     lease: u64,
     flow: &str,
     fx: WaveEffects,
     new: NewRows,
 ) -> Result<Committed, QueueError> {
+    let (id, seq) = at;
     let plain = new.items.is_empty()
         && new.dead.is_empty()
         && fx.state.is_empty()
@@ -1014,13 +1023,24 @@ fn commit_wave(
             if w.failpoints.hit("commit") {
                 return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
             }
-            let n = c
-                .prepare_cached(
-                    "UPDATE items SET st = 'finished', reason = ?3, at = ?4, due = NULL,
-                                      consumer = NULL, stepped = 0
-                     WHERE id = ?1 AND st = 'in_flight' AND lease = ?2",
-                )?
-                .execute(params![id.to_string(), lease as i64, outcome, now_ms()])?;
+            // By row when the claim gave it: a look-up in the id index fewer (the row of an
+            // id never changes: rows are only ever inserted with a new `seq`).
+            let n = match seq {
+                Some(seq) => c
+                    .prepare_cached(
+                        "UPDATE items SET st = 'finished', reason = ?3, at = ?4, due = NULL,
+                                          consumer = NULL, stepped = 0
+                         WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2",
+                    )?
+                    .execute(params![seq, lease as i64, outcome, now_ms()])?,
+                None => c
+                    .prepare_cached(
+                        "UPDATE items SET st = 'finished', reason = ?3, at = ?4, due = NULL,
+                                          consumer = NULL, stepped = 0
+                         WHERE id = ?1 AND st = 'in_flight' AND lease = ?2",
+                    )?
+                    .execute(params![id.to_string(), lease as i64, outcome, now_ms()])?,
+            };
             return Ok(if n == 1 {
                 w.finished += 1;
                 Committed::Done
@@ -1050,9 +1070,7 @@ fn commit_wave(
         return Ok(Committed::Conflict);
     }
     let now = now_ms();
-    for row in &new.items {
-        insert(c, w, row)?;
-    }
+    insert_all(c, w, &new.items)?;
     for s in &fx.state {
         write_state(c, &s.key, s.value.as_ref())?;
     }
@@ -1229,12 +1247,13 @@ impl WorkQueue for SqliteQueue {
             if w.ready + rows.len() as i64 > max {
                 return Err(QueueError::Full(w.ready.max(0) as usize));
             }
-            for row in &rows {
-                insert(c, w, row)?;
-            }
-            Ok(())
+            insert_all(c, w, &rows)?;
+            // Handed back to be freed here: freed on the writer's thread, memory allocated
+            // on another one costs the writer the lock of that thread's allocator arena.
+            Ok(rows)
         })
         .await
+        .map(drop)
     }
 
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
@@ -1308,7 +1327,10 @@ impl WorkQueue for SqliteQueue {
         let mut out = Vec::with_capacity(taken.len());
         for t in taken {
             match Claimed::decode(&t.body, t.deliveries, t.lease, consumer, t.stepped) {
-                Ok(c) => out.push(c),
+                Ok(mut c) => {
+                    c.slot = t.seq as u64;
+                    out.push(c)
+                }
                 Err(e) => {
                     // A poison row: set aside with the reason; the ones around it go on.
                     // If setting it aside fails, the items claimed with it are still handed
@@ -1342,9 +1364,10 @@ impl WorkQueue for SqliteQueue {
 
     async fn commit(&self, claimed: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
         let (id, lease, flow) = (claimed.item.id, claimed.lease, claimed.item.flow.clone());
+        let seq = (claimed.slot > 0).then_some(claimed.slot as i64);
         let mut fx = fx;
         let new = NewRows::take(&mut fx)?;
-        self.write(move |c, w| commit_wave(c, w, id, lease, &flow, fx, new))
+        self.write(move |c, w| commit_wave(c, w, (id, seq), lease, &flow, fx, new))
             .await
     }
 
@@ -1704,6 +1727,47 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(reprepared, 0);
+    }
+
+    /// A claim gives each item its row, and the commit finds the item by it; a claim without
+    /// one (slot 0) is still committed, by id; and the row does not stand in for the lease:
+    /// a row whose lease has moved on refuses the commit.
+    #[tokio::test]
+    async fn commits_find_the_item_by_the_row_its_claim_gave() {
+        let q = SqliteQueue::temporary(Failpoints::new()).unwrap();
+        q.add((0..3).map(item).collect()).await.unwrap();
+        let c = q.claim("a", 3, Duration::ZERO).await.unwrap();
+        assert!(c.iter().all(|c| c.slot > 0), "each claim gives the row");
+        let mut by_id = c[1].clone();
+        by_id.slot = 0;
+        for (claimed, how) in [(&c[0], "by row"), (&by_id, "by id")] {
+            let r = q
+                .commit(claimed, WaveEffects::ending(End::Ack))
+                .await
+                .unwrap();
+            assert_eq!(r, Committed::Done, "{how}");
+            let v = q.get(claimed.item.id).await.unwrap().unwrap();
+            assert!(
+                matches!(v.state, ItemState::Finished { .. }),
+                "{how}: {:?}",
+                v.state
+            );
+        }
+        // The third item is reclaimed and claimed again: the old claim's row is right, its
+        // lease is not.
+        assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 1);
+        let again = q.claim("b", 1, Duration::ZERO).await.unwrap();
+        assert_eq!(again[0].slot, c[2].slot);
+        let stale = q
+            .commit(&c[2], WaveEffects::ending(End::Ack))
+            .await
+            .unwrap();
+        assert_eq!(stale, Committed::Conflict);
+        let r = q
+            .commit(&again[0], WaveEffects::ending(End::Ack))
+            .await
+            .unwrap();
+        assert_eq!(r, Committed::Done);
     }
 
     /// Past `FINISHED_KEPT`, the oldest finished items go, a few in each batch that finishes
