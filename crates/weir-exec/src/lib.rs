@@ -66,7 +66,10 @@ impl Default for ExecConfig {
             wave_deadline: Duration::from_secs(60),
             reclaim_after: Duration::from_secs(120),
             claim_batch: 64,
-            max_in_flight: 64,
+            // A wave that ends in a side effect waits for its broker or server (an MQTT
+            // PUBACK) and then its commit: 64 at once held MQTT in → function → out to a third
+            // of what 256 do (benches/mqtt.rs); webhook loads are the same either way.
+            max_in_flight: 256,
             max_age: Duration::from_secs(24 * 3600),
             retry_base: Duration::from_secs(1),
             retry_cap: Duration::from_secs(300),

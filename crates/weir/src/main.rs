@@ -73,7 +73,7 @@ enum Cmd {
         #[arg(long, default_value = "24h", value_parser = duration)]
         max_age: std::time::Duration,
         /// Items claimed and not yet committed, across all flows, at most.
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 256)]
         max_in_flight: usize,
         /// Items parked per paused flow at most; past it they are dead-lettered with the reason.
         #[arg(long, default_value_t = 100_000)]
