@@ -139,29 +139,26 @@ impl WorkItem {
 mod tests {
     use super::*;
 
+    /// The fields left out when they are `None`.
+    const OPTIONAL: [&str; 5] = [
+        "not_before",
+        "guard_key",
+        "guard_value",
+        "origin_id",
+        "run_id",
+    ];
+
     #[test]
     fn an_items_json_leaves_out_what_it_does_not_have_and_older_journals_still_read() {
         let item = WorkItem::cascade("f", "in", "test", vec![serde_json::json!({"payload": 1})]);
         let text = serde_json::to_string(&item).unwrap();
-        for absent in [
-            "not_before",
-            "guard_key",
-            "guard_value",
-            "origin_id",
-            "run_id",
-        ] {
+        for absent in OPTIONAL {
             assert!(!text.contains(absent), "{absent} is written: {text}");
         }
         assert_eq!(serde_json::from_str::<WorkItem>(&text).unwrap(), item);
         // An item journaled by an earlier version, with every field written out.
         let mut old: serde_json::Value = serde_json::to_value(&item).unwrap();
-        for absent in [
-            "not_before",
-            "guard_key",
-            "guard_value",
-            "origin_id",
-            "run_id",
-        ] {
+        for absent in OPTIONAL {
             old[absent] = serde_json::Value::Null;
         }
         assert_eq!(serde_json::from_value::<WorkItem>(old).unwrap(), item);
