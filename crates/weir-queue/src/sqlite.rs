@@ -964,13 +964,21 @@ fn item_state(c: &Connection, id: Ulid) -> Result<Option<String>, QueueError> {
         .optional()?)
 }
 
-fn finish(c: &Connection, id: Ulid, outcome: &str, now: i64) -> Result<(), QueueError> {
-    c.prepare_cached(
-        "UPDATE items SET st = 'finished', reason = ?2, at = ?3, due = NULL, consumer = NULL,
-                          stepped = 0
-         WHERE id = ?1",
-    )?
-    .execute(params![id.to_string(), outcome, now])?;
+/// End `id` as finished with `outcome`, and count it among the finished items kept.
+fn finish(
+    c: &Connection,
+    w: &mut Writer,
+    id: Ulid,
+    outcome: &str,
+    now: i64,
+) -> Result<(), QueueError> {
+    w.finished += c
+        .prepare_cached(
+            "UPDATE items SET st = 'finished', reason = ?2, at = ?3, due = NULL, consumer = NULL,
+                              stepped = 0
+             WHERE id = ?1",
+        )?
+        .execute(params![id.to_string(), outcome, now])? as i64;
     Ok(())
 }
 
@@ -994,6 +1002,13 @@ impl NewRows {
         Ok(NewRows { items, dead })
     }
 }
+
+/// The commit of a wave that writes nothing but its end: ?1 the row (or NULL), ?2 the
+/// lease, ?3 the outcome, ?4 now, ?5 the id (looked up only when ?1 is NULL).
+const COMMIT_PLAIN_SQL: &str = "UPDATE items SET st = 'finished', reason = ?3, at = ?4,
+        due = NULL, consumer = NULL, stepped = 0
+    WHERE seq = coalesce(?1, (SELECT seq FROM items WHERE id = ?5))
+      AND st = 'in_flight' AND lease = ?2";
 
 /// `at` is the item's id and, when the claim gave it, its row.
 fn commit_wave(
@@ -1024,23 +1039,15 @@ fn commit_wave(
                 return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
             }
             // By row when the claim gave it: a look-up in the id index fewer (the row of an
-            // id never changes: rows are only ever inserted with a new `seq`).
-            let n = match seq {
-                Some(seq) => c
-                    .prepare_cached(
-                        "UPDATE items SET st = 'finished', reason = ?3, at = ?4, due = NULL,
-                                          consumer = NULL, stepped = 0
-                         WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2",
-                    )?
-                    .execute(params![seq, lease as i64, outcome, now_ms()])?,
-                None => c
-                    .prepare_cached(
-                        "UPDATE items SET st = 'finished', reason = ?3, at = ?4, due = NULL,
-                                          consumer = NULL, stepped = 0
-                         WHERE id = ?1 AND st = 'in_flight' AND lease = ?2",
-                    )?
-                    .execute(params![id.to_string(), lease as i64, outcome, now_ms()])?,
-            };
+            // id never changes: rows are only ever inserted with a new `seq`). Without one,
+            // the row is looked up by id (`coalesce` evaluates the look-up only then).
+            let n = c.prepare_cached(COMMIT_PLAIN_SQL)?.execute(params![
+                seq,
+                lease as i64,
+                outcome,
+                now_ms(),
+                seq.is_none().then(|| id.to_string())
+            ])?;
             return Ok(if n == 1 {
                 w.finished += 1;
                 Committed::Done
@@ -1086,14 +1093,8 @@ fn commit_wave(
             .execute([id.to_string()])?;
     }
     match fx.end.unwrap_or(End::Ack) {
-        End::Ack => {
-            finish(c, id, fx.outcome.as_deref().unwrap_or("done"), now)?;
-            w.finished += 1;
-        }
-        End::Superseded => {
-            finish(c, id, "superseded by a newer timer", now)?;
-            w.finished += 1;
-        }
+        End::Ack => finish(c, w, id, fx.outcome.as_deref().unwrap_or("done"), now)?,
+        End::Superseded => finish(c, w, id, "superseded by a newer timer", now)?,
         End::DeadLetter(reason) => {
             c.prepare_cached(
                 "UPDATE items SET st = 'dead', reason = ?2, at = ?3, consumer = NULL, stepped = 0
@@ -1651,8 +1652,7 @@ impl WorkQueue for SqliteQueue {
                 if st == "waiting" {
                     w.ready -= 1;
                 }
-                w.finished += 1;
-                finish(c, id, "cancelled by hand", now_ms())
+                finish(c, w, id, "cancelled by hand", now_ms())
             }
             Some("in_flight") => Err(QueueError::Conflict(format!(
                 "item {id} is in flight; it ends with its wave"
@@ -1678,8 +1678,7 @@ impl WorkQueue for SqliteQueue {
             let item = v.item.replayed();
             let new_id = item.id;
             let now = now_ms();
-            finish(c, id, &format!("replayed as {new_id}"), now)?;
-            w.finished += 1;
+            finish(c, w, id, &format!("replayed as {new_id}"), now)?;
             insert(c, w, &Encoded::new(item, now)?)?;
             Ok(new_id)
         })
@@ -1689,10 +1688,7 @@ impl WorkQueue for SqliteQueue {
     async fn discard(&self, id: Ulid) -> Result<(), QueueError> {
         self.write(move |c, w| match item_state(c, id)?.as_deref() {
             None => Err(QueueError::NotFound(id)),
-            Some("dead") => {
-                w.finished += 1;
-                finish(c, id, "discarded by hand", now_ms())
-            }
+            Some("dead") => finish(c, w, id, "discarded by hand", now_ms()),
             Some(_) => Err(QueueError::Conflict(format!(
                 "item {id} is not a dead letter"
             ))),
@@ -1738,6 +1734,18 @@ mod tests {
         q.add((0..3).map(item).collect()).await.unwrap();
         let c = q.claim("a", 3, Duration::ZERO).await.unwrap();
         assert!(c.iter().all(|c| c.slot > 0), "each claim gives the row");
+        // The commit's update goes straight to the row, by row or by id, never a scan.
+        let plan = q
+            .write(|c, _| {
+                let mut p = c.prepare(&format!("EXPLAIN QUERY PLAN {COMMIT_PLAIN_SQL}"))?;
+                let args = params![1, 1, "done", 0, None::<String>];
+                let rows = p.query_map(args, |r| r.get::<_, String>(3))?;
+                Ok(rows.collect::<Result<Vec<_>, _>>()?.join("; "))
+            })
+            .await
+            .unwrap();
+        assert!(!plan.contains("SCAN"), "{plan}");
+        assert!(plan.contains("INTEGER PRIMARY KEY"), "{plan}");
         let mut by_id = c[1].clone();
         by_id.slot = 0;
         for (claimed, how) in [(&c[0], "by row"), (&by_id, "by id")] {
