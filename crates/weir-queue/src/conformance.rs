@@ -32,7 +32,8 @@ macro_rules! conformance_tests {
             dead_letters_are_listed_replayed_and_discarded, done_markers_live_until_commit,
             idempotency_key_returns_first_id, ticks_are_journaled_once, cancel_by_hand,
             replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work,
-            recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago
+            recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago,
+            items_come_back_as_they_were_added
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -583,4 +584,38 @@ pub async fn prune_removes_only_what_ended_long_ago(q: Q, _fp: Failpoints) {
         2,
         "live items untouched"
     );
+}
+
+/// An item with every field away from its usual value, as a retry of a delayed, guarded
+/// batch-run item would be.
+pub fn unusual_item(flow: &str) -> WorkItem {
+    let mut it = item(flow, 7);
+    it.kind = crate::ItemKind::Flush;
+    it.node = "limit".into();
+    it.outputs = vec![vec![], vec![json!({ "payload": [1, "two"], "topic": "t" })]];
+    it.cause = "retry:limit".into();
+    it.guard_key = Some("timer".into());
+    it.guard_value = Some(json!({ "n": 3 }));
+    it.attempt = 2;
+    it.origin_id = Some(ulid::Ulid::new());
+    it.first_enqueued_at = it.enqueued_at - 5_000;
+    it.run_id = Some("run-1".into());
+    it
+}
+
+pub async fn items_come_back_as_they_were_added(q: Q, _fp: Failpoints) {
+    let it = unusual_item("f");
+    q.add(vec![it.clone()]).await.unwrap();
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    let want = WorkItem {
+        deliveries: 1,
+        ..it.clone()
+    };
+    assert_eq!(c[0].item, want, "claimed as added, one delivery counted");
+    assert_eq!(q.get(it.id).await.unwrap().unwrap().item, want);
+    // A delayed one shows when it is due.
+    let mut later = unusual_item("f");
+    later.not_before = Some(now_ms() + 60_000);
+    q.add(vec![later.clone()]).await.unwrap();
+    assert_eq!(q.get(later.id).await.unwrap().unwrap().item, later);
 }

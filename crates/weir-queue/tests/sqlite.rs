@@ -121,6 +121,35 @@ async fn a_failed_batch_fails_every_member_and_keeps_none() {
 }
 
 #[tokio::test]
+async fn rows_written_before_bodies_were_compact_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("queue.db");
+    drop(SqliteQueue::open(&path, Failpoints::new()).unwrap());
+    // Schema 2 kept the whole item as its JSON in `body`.
+    let it = weir_queue::conformance::unusual_item("f");
+    let c = rusqlite::Connection::open(&path).unwrap();
+    c.execute(
+        "INSERT INTO items (id, flow, st, ord, deliveries, enqueued_at, body)
+         VALUES (?1, 'f', 'waiting', 0, 0, ?2, ?3)",
+        rusqlite::params![
+            it.id.to_string(),
+            it.enqueued_at,
+            serde_json::to_string(&it).unwrap()
+        ],
+    )
+    .unwrap();
+    drop(c);
+    let q = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+    let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    let want = WorkItem {
+        deliveries: 1,
+        ..it.clone()
+    };
+    assert_eq!(got[0].item, want);
+    assert_eq!(q.get(it.id).await.unwrap().unwrap().item, want);
+}
+
+#[tokio::test]
 async fn a_poison_row_is_dead_lettered_alone_and_the_rest_flow() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("queue.db");
