@@ -146,7 +146,12 @@ struct Stored {
         skip_serializing_if = "is_cascade"
     )]
     kind: ItemKind,
-    #[serde(rename = "a", alias = "attempt", default, skip_serializing_if = "is_zero")]
+    #[serde(
+        rename = "a",
+        alias = "attempt",
+        default,
+        skip_serializing_if = "is_zero"
+    )]
     attempt: u32,
     /// Left out when it is the row's `enqueued_at` (an item that was not made again).
     #[serde(
