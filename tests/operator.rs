@@ -322,6 +322,55 @@ async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() 
     e.shutdown().await;
 }
 
+/// 24 events behind a one-at-a-time flow whose call takes 100 ms: the last would wait 2.4 s
+/// claimed in the engine, past a 1 s reclaim delay, and be taken back as stalled and
+/// delivered again while its first delivery still waits. The engine holds only
+/// `max_waiting` unstarted, so each event is delivered and called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_waiting_behind_a_slow_flow_are_not_taken_back_as_stalled() {
+    let sink = Sink::start().await;
+    sink.answer_after(100);
+    let flow = format!(
+        "id: slow\nconcurrency: 1\nnodes:\n  in: {{ type: webhook, path: in, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
+        sink.url("got")
+    );
+    let mut exec = weir_testkit::test_exec();
+    exec.reclaim_after = Duration::from_secs(1);
+    exec.max_waiting = 2;
+    let data = tempfile::tempdir().unwrap();
+    let e = weir::Engine::builder()
+        .queue_url(format!("sqlite:{}/queue.db", data.path().display()))
+        .exec_config(exec)
+        .http("127.0.0.1:0".parse().unwrap())
+        .flow_str("slow.yaml", flow)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let events = 24;
+    for n in 0..events {
+        assert_eq!(post_json(&e, "in", json!({ "n": n })).await.status(), 202);
+    }
+    wait_for("every event at the sink", Duration::from_secs(30), || {
+        sink.count() >= events
+    })
+    .await;
+    // Time for a second delivery to show, had there been one.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let got: Vec<u64> = sink
+        .bodies()
+        .iter()
+        .map(|b| b["n"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        got,
+        (0..events as u64).collect::<Vec<_>>(),
+        "each once, in order"
+    );
+    e.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_flow_parks_up_to_its_bound_and_dead_letters_the_rest_with_the_reason() {
     let flow = "id: held\nconcurrency: 1\nnodes:\n  in: { type: webhook, path: in, to: [l] }\n  l: { type: log }\n";

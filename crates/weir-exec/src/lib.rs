@@ -40,6 +40,12 @@ pub struct ExecConfig {
     /// so claiming far ahead of what can run would charge an engine that keeps crashing with
     /// deliveries of items that never started (and dead-letter them at the ceiling).
     pub max_in_flight: usize,
+    /// Of those, items claimed and not yet started (waiting for their flow's turn) at most.
+    /// An item that waits in an engine longer than `reclaim_after` is taken back as stalled
+    /// and delivered again, and the copies pile up behind the same slow flow: so the items
+    /// an engine holds unstarted stay few, and the rest of `max_in_flight` is waves running
+    /// or waiting for their commit.
+    pub max_waiting: usize,
     /// Transient failures retry until the item is this old.
     pub max_age: Duration,
     pub retry_base: Duration,
@@ -70,6 +76,9 @@ impl Default for ExecConfig {
             // PUBACK) and then its commit: 64 at once held MQTT in → function → out to a third
             // of what 256 do (benches/mqtt.rs); webhook loads are the same either way.
             max_in_flight: 256,
+            // 256 waiting behind a rate-limited flow, with a 2 s reclaim delay, were taken
+            // back again and again until dead-lettered (tests/chaos.rs on a loaded machine).
+            max_waiting: 64,
             max_age: Duration::from_secs(24 * 3600),
             retry_base: Duration::from_secs(1),
             retry_cap: Duration::from_secs(300),
@@ -208,6 +217,8 @@ pub struct Executor {
 struct Job {
     claimed: Claimed,
     _permit: OwnedSemaphorePermit,
+    /// Given back when the wave starts.
+    waiting: OwnedSemaphorePermit,
 }
 
 impl Executor {
@@ -230,6 +241,7 @@ impl Executor {
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
         let tracker = TaskTracker::new();
         let in_flight = Arc::new(Semaphore::new(self.cfg.max_in_flight));
+        let waiting = Arc::new(Semaphore::new(self.cfg.max_waiting.max(1)));
         let mut dispatchers: HashMap<String, mpsc::UnboundedSender<Job>> = HashMap::new();
         let mut failures: u32 = 0;
         let mut last_reclaim = tokio::time::Instant::now();
@@ -300,10 +312,15 @@ impl Executor {
                         // The free permits shared among the claims still to be made.
                         let free = in_flight
                             .available_permits()
+                            .min(waiting.available_permits())
                             .div_ceil(ahead - claims.len())
                             .min(self.cfg.claim_batch);
                         let Some(permits) = (free > 0)
-                            .then(|| in_flight.clone().try_acquire_many_owned(free as u32).ok())
+                            .then(|| {
+                                let p = in_flight.clone().try_acquire_many_owned(free as u32);
+                                let w = waiting.clone().try_acquire_many_owned(free as u32);
+                                p.ok().zip(w.ok())
+                            })
                             .flatten()
                         else {
                             break;
@@ -335,7 +352,7 @@ impl Executor {
                 Err(e) => Err(e),
             };
             match claimed {
-                Ok((mut permits, items)) => {
+                Ok(((mut permits, mut waits), items)) => {
                     if failures > 0 {
                         tracing::info!(failures, "queue backend is back");
                         failures = 0;
@@ -343,7 +360,8 @@ impl Executor {
                     for c in items {
                         // One of the permits the claim asked for goes with each item; what
                         // is left over goes back when `permits` is dropped.
-                        let Some(permit) = permits.split(1) else {
+                        let (Some(permit), Some(waiting)) = (permits.split(1), waits.split(1))
+                        else {
                             tracing::error!("in-flight bound exceeded; item left for redelivery");
                             continue;
                         };
@@ -357,6 +375,7 @@ impl Executor {
                         let _ = tx.send(Job {
                             claimed: c,
                             _permit: permit,
+                            waiting,
                         });
                     }
                 }
@@ -449,6 +468,7 @@ impl Executor {
                 for w in wait {
                     let _ = w.await;
                 }
+                drop(job.waiting);
                 me.process(flow, job.claimed, permit).await;
                 drop(hold);
                 drop(job._permit);
