@@ -338,16 +338,8 @@ async fn items_waiting_behind_a_slow_flow_are_not_taken_back_as_stalled() {
     exec.reclaim_after = Duration::from_secs(1);
     exec.max_waiting = 2;
     let data = tempfile::tempdir().unwrap();
-    let e = weir::Engine::builder()
-        .queue_url(format!("sqlite:{}/queue.db", data.path().display()))
-        .exec_config(exec)
-        .http("127.0.0.1:0".parse().unwrap())
-        .flow_str("slow.yaml", flow)
-        .build()
-        .unwrap()
-        .start()
-        .await
-        .unwrap();
+    let url = format!("sqlite:{}/queue.db", data.path().display());
+    let e = weir_testkit::start_exec(&url, exec, &[("slow.yaml", &flow)]).await;
     let events = 24;
     for n in 0..events {
         assert_eq!(post_json(&e, "in", json!({ "n": n })).await.status(), 202);
