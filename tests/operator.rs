@@ -267,14 +267,21 @@ nodes:
     e.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() {
+/// A sink answering after `ms`, and flow `slow` (with `head` before its nodes): webhook `in`
+/// → http-request to the sink.
+async fn slow_flow(ms: u64, head: &str) -> (Sink, String) {
     let sink = Sink::start().await;
-    sink.answer_after(300);
+    sink.answer_after(ms);
     let flow = format!(
-        "id: slow\nnodes:\n  in: {{ type: webhook, path: in, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
+        "id: slow\n{head}nodes:\n  in: {{ type: webhook, path: in, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
         sink.url("got")
     );
+    (sink, flow)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() {
+    let (sink, flow) = slow_flow(300, "").await;
     let mut exec = weir_testkit::test_exec();
     exec.max_in_flight = 1;
     let data = tempfile::tempdir().unwrap();
@@ -328,12 +335,7 @@ async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() 
 /// `max_waiting` unstarted, so each event is delivered and called once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn items_waiting_behind_a_slow_flow_are_not_taken_back_as_stalled() {
-    let sink = Sink::start().await;
-    sink.answer_after(100);
-    let flow = format!(
-        "id: slow\nconcurrency: 1\nnodes:\n  in: {{ type: webhook, path: in, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
-        sink.url("got")
-    );
+    let (sink, flow) = slow_flow(100, "concurrency: 1\n").await;
     let mut exec = weir_testkit::test_exec();
     exec.reclaim_after = Duration::from_secs(1);
     exec.max_waiting = 2;
