@@ -129,6 +129,18 @@ impl Sink {
         self.fail_with.lock().unwrap().extend_from_slice(statuses);
     }
 
+    /// Field `n` of every body received, in order. Panics on a body without a whole `n`.
+    pub fn ns(&self) -> Vec<u64> {
+        self.bodies()
+            .iter()
+            .map(|b| {
+                b["n"]
+                    .as_u64()
+                    .unwrap_or_else(|| panic!("a body without `n`: {b}"))
+            })
+            .collect()
+    }
+
     pub fn bodies(&self) -> Vec<Value> {
         self.got
             .lock()

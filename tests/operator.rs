@@ -55,11 +55,7 @@ async fn a_pause_outlives_a_restart_and_its_parked_items_wait() {
     assert_eq!(sink.bodies()[0]["n"], 0, "step releases the oldest");
     post_admin(&e, "/api/flows/p/resume").await;
     wait_for("the rest", Duration::from_secs(10), || sink.count() == 3).await;
-    let ns: Vec<u64> = sink
-        .bodies()
-        .iter()
-        .map(|b| b["n"].as_u64().unwrap())
-        .collect();
+    let ns: Vec<u64> = sink.ns();
     assert_eq!(ns, vec![0, 1, 2], "in order");
     e.shutdown().await;
 }
@@ -317,11 +313,7 @@ async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() 
         sink.count() == accepted.len()
     })
     .await;
-    let got: Vec<u64> = sink
-        .bodies()
-        .iter()
-        .map(|b| b["n"].as_u64().unwrap())
-        .collect();
+    let got: Vec<u64> = sink.ns();
     assert_eq!(
         got, accepted,
         "what was accepted arrives, what was refused was never journaled"
@@ -352,11 +344,7 @@ async fn items_waiting_behind_a_slow_flow_are_not_taken_back_as_stalled() {
     .await;
     // Time for a second delivery to show, had there been one.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let got: Vec<u64> = sink
-        .bodies()
-        .iter()
-        .map(|b| b["n"].as_u64().unwrap())
-        .collect();
+    let got: Vec<u64> = sink.ns();
     assert_eq!(
         got,
         (0..events as u64).collect::<Vec<_>>(),
