@@ -281,19 +281,8 @@ async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() 
     let mut exec = weir_testkit::test_exec();
     exec.max_in_flight = 1;
     let data = tempfile::tempdir().unwrap();
-    let e = weir::Engine::builder()
-        .queue_url(format!(
-            "sqlite:{}/queue.db?max_ready=3",
-            data.path().display()
-        ))
-        .exec_config(exec)
-        .http("127.0.0.1:0".parse().unwrap())
-        .flow_str("slow.yaml", flow)
-        .build()
-        .unwrap()
-        .start()
-        .await
-        .unwrap();
+    let url = format!("sqlite:{}/queue.db?max_ready=3", data.path().display());
+    let e = weir_testkit::start_exec(&url, exec, &[("slow.yaml", &flow)]).await;
     let mut accepted = Vec::new();
     let mut refused = 0;
     for n in 0..10 {
