@@ -245,3 +245,66 @@ async fn a_busy_shard_does_not_starve_the_flows_of_another() {
         .collect();
     assert_eq!(ns, (0..15).collect::<Vec<_>>());
 }
+
+/// Past the 10,000 finished records kept per shard, the oldest go, many in one call and
+/// unread: only finished records, never an item still waiting, delayed or dead. Commits go
+/// in up to two group calls at once here, as under load.
+#[tokio::test]
+async fn the_oldest_finished_records_go_and_no_live_item_with_them() {
+    let server = RedisServer::start();
+    let q = RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    let mut later = item(-1);
+    later.not_before = Some(weir_queue::now_ms() + 3_600_000);
+    let (delayed, dead) = (later.id, item(-2));
+    let dead_id = dead.id;
+    q.add(vec![later, dead]).await.unwrap();
+    let c = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    assert_eq!(c.item.id, dead_id);
+    q.commit(&c, WaveEffects::ending(End::DeadLetter("bad".into())))
+        .await
+        .unwrap();
+
+    let mut finished = Vec::new();
+    for round in 0..21 {
+        let items: Vec<_> = (0..512).map(|i| item(round * 512 + i)).collect();
+        finished.extend(items.iter().map(|i| i.id));
+        q.add(items).await.unwrap();
+        let claimed = q.claim("a", 512, Duration::ZERO).await.unwrap();
+        assert_eq!(claimed.len(), 512);
+        let commits = claimed
+            .iter()
+            .map(|c| q.commit(c, WaveEffects::ending(End::Ack)));
+        for r in futures::future::join_all(commits).await {
+            assert_eq!(r.unwrap(), weir_queue::Committed::Done);
+        }
+    }
+
+    let mut kept = Vec::new();
+    for id in &finished {
+        if let Some(v) = q.get(*id).await.unwrap() {
+            assert!(matches!(v.state, ItemState::Finished { .. }), "{v:?}");
+            kept.push(*id);
+        }
+    }
+    assert!(
+        (10_000..=10_256).contains(&kept.len()),
+        "{} of {} finished records kept",
+        kept.len(),
+        finished.len()
+    );
+    assert_eq!(
+        kept,
+        finished[finished.len() - kept.len()..],
+        "the newest are the ones kept"
+    );
+    assert!(matches!(
+        q.get(delayed).await.unwrap().unwrap().state,
+        ItemState::Delayed { .. }
+    ));
+    assert!(matches!(
+        q.get(dead_id).await.unwrap().unwrap().state,
+        ItemState::Dead { .. }
+    ));
+}

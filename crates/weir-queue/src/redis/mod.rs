@@ -160,7 +160,7 @@ local function commit(id, lease, flow, kind, reason, effects)
     end
     for _, d in ipairs(fx.dead) do insert_dead(d, d.reason) end
   end
-  redis.call('DEL', P .. 'done:' .. id)
+  GONE[#GONE + 1] = P .. 'done:' .. id
   if kind == 'ack' then
     finish(id, reason, {st, flow, dentry, e})
   elseif kind == 'dead' then
@@ -525,14 +525,17 @@ type GroupedCommit = ([String; 6], oneshot::Sender<Result<String, QueueError>>);
 #[derive(Default)]
 struct CommitGroup {
     waiting: Vec<GroupedCommit>,
-    /// A task is sending this shard's groups; it stops when none is waiting.
-    flushing: bool,
+    /// Tasks sending this shard's groups (at most `COMMIT_CALLS`); each stops when none is
+    /// waiting.
+    flushing: usize,
 }
 
 type CommitGroups = Arc<std::sync::Mutex<HashMap<String, CommitGroup>>>;
 
 /// Commits in one script call at most (the call's arguments stay small).
 const COMMIT_GROUP: usize = 128;
+/// Group calls of one shard on their way at once.
+const COMMIT_CALLS: usize = 2;
 
 /// Send shard `p`'s waiting commits, a group per call, until none is waiting.
 async fn flush_commits(mut conn: Conn, script: Script, groups: CommitGroups, p: String) {
@@ -541,7 +544,7 @@ async fn flush_commits(mut conn: Conn, script: Script, groups: CommitGroups, p: 
             let mut g = groups.lock().unwrap_or_else(|e| e.into_inner());
             let Some(group) = g.get_mut(&p) else { return };
             if group.waiting.is_empty() {
-                group.flushing = false;
+                group.flushing -= 1;
                 return;
             }
             let n = group.waiting.len().min(COMMIT_GROUP);
@@ -825,7 +828,11 @@ impl RedisQueue {
             let mut groups = self.commits.lock().unwrap_or_else(|e| e.into_inner());
             let g = groups.entry(p.to_string()).or_default();
             g.waiting.push((args, tx));
-            !std::mem::replace(&mut g.flushing, true)
+            let lead = g.flushing < COMMIT_CALLS;
+            if lead {
+                g.flushing += 1;
+            }
+            lead
         };
         if lead {
             let (conn, script, groups, p) = (

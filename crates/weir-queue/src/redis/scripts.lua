@@ -21,8 +21,8 @@ local DEADCAP = __DEAD_CAP__
 local TRIM = 256
 
 -- Gathered for flush(): stream entries to acknowledge and delete, ids new to the index,
--- ids that finished.
-local ACKS, INDEXED, FINISHED = {}, {}, {}
+-- ids that finished, keys to delete (done markers of ended items).
+local ACKS, INDEXED, FINISHED, GONE = {}, {}, {}, {}
 
 local function ik(id) return P .. 'item:' .. id end
 
@@ -61,20 +61,21 @@ local function flush()
     scored[#scored + 1] = id
   end
   each_chunk(scored, function(...) redis.call('ZADD', P .. 'index', ...) end)
-  -- The newest KEEP finished records stay for the operator; older ones go.
+  each_chunk(GONE, function(...) redis.call('DEL', ...) end)
+  -- The newest KEEP finished records stay for the operator; older ones go. Finished is
+  -- the one state no script leaves, and an id is listed once, when it finishes: every id
+  -- taken off the list is a finished record (or one an operator's prune deleted already),
+  -- so the records go in one DEL, unread.
   local n = 0
   each_chunk(FINISHED, function(...) n = redis.call('RPUSH', P .. 'finished', ...) end)
   if n > KEEP + TRIM then
-    local gone = {}
-    for _, old in ipairs(redis.call('LPOP', P .. 'finished', math.min(n - KEEP, 4 * TRIM))) do
-      if redis.call('HGET', ik(old), 'st') == 'finished' then
-        redis.call('DEL', ik(old))
-        gone[#gone + 1] = old
-      end
-    end
-    each_chunk(gone, function(...) redis.call('ZREM', P .. 'index', ...) end)
+    local old = redis.call('LPOP', P .. 'finished', math.min(n - KEEP, 4 * TRIM))
+    local keys = {}
+    for i, id in ipairs(old) do keys[i] = ik(id) end
+    each_chunk(keys, function(...) redis.call('DEL', ...) end)
+    each_chunk(old, function(...) redis.call('ZREM', P .. 'index', ...) end)
   end
-  ACKS, INDEXED, FINISHED = {}, {}, {}
+  ACKS, INDEXED, FINISHED, GONE = {}, {}, {}, {}
 end
 
 -- Take an item's entry out of the ready stream (acknowledged and deleted at flush).
@@ -113,12 +114,16 @@ local function finish(id, outcome, known)
   else
     st, flow, dentry, e = unpack(redis.call('HMGET', k, 'st', 'flow', 'dentry', 'entry'))
   end
-  if st == 'delayed' then redis.call('ZREM', P .. 'delayed', id) end
+  if st == 'delayed' then
+    redis.call('ZREM', P .. 'delayed', id)
+    redis.call('HDEL', k, 'due')
+  end
   if st == 'parked' then redis.call('LREM', P .. 'parked:' .. flow, 0, id) end
   if st == 'dead' and dentry then redis.call('XDEL', DEAD, dentry) end
   if e then ACKS[#ACKS + 1] = e end
+  -- What the record held for its last state (consumer, since, entry…) stays: nothing reads
+  -- it once the state is finished, and a call per item fewer is what the commit costs.
   redis.call('HSET', k, 'st', 'finished', 'reason', outcome, 'at', NOW)
-  redis.call('HDEL', k, 'due', 'consumer', 'since', 'stepped', 'dentry', 'entry')
   FINISHED[#FINISHED + 1] = id
 end
 
