@@ -820,8 +820,9 @@ impl RedisQueue {
         inv.invoke_async(&mut c).await.map_err(unavailable)
     }
 
-    /// Commit through shard `p`'s group: commits that arrive while one call is on its way
-    /// go together in the next (one script, one fsync on the server), with no timer.
+    /// Commit through shard `p`'s group: commits that arrive while the shard's calls are on
+    /// their way (at most `COMMIT_CALLS`) go together in the next (one script, one fsync on
+    /// the server), with no timer.
     async fn commit_grouped(&self, p: &str, args: [String; 6]) -> Result<String, QueueError> {
         let (tx, rx) = oneshot::channel();
         let lead = {
