@@ -95,9 +95,14 @@ impl Executor {
                 }
                 match self.commit_with_retries(&c, fx).await {
                     Some(Committed::Done) => {
-                        let flow = c.item.flow.clone();
-                        metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end).increment(1);
-                        metrics::histogram!("weir_wave_seconds", "flow" => flow).record(started.elapsed().as_secs_f64());
+                        match &flow {
+                            Some(f) => f.ended(end, started.elapsed()),
+                            None => {
+                                let flow = c.item.flow.clone();
+                                metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end).increment(1);
+                                metrics::histogram!("weir_wave_seconds", "flow" => flow).record(started.elapsed().as_secs_f64());
+                            }
+                        }
                         self.post_replies(&c, extras.replies, &mut replied).await;
                         return;
                     }
@@ -322,9 +327,7 @@ impl Executor {
                     Ok(Emit(outputs))
                 }
                 None => {
-                    metrics::counter!("weir_node_calls_total", "kind" => node.kind.clone())
-                        .increment(1);
-                    f.counts[n].calls.fetch_add(1, Ordering::Relaxed);
+                    f.counts[n].called(&node.kind);
                     let input = msg.clone();
                     let mut cx = NodeCx::new(
                         &flow.id,

@@ -39,6 +39,9 @@ struct Hook {
     flow: String,
     node: String,
     spec: WebhookSpec,
+    /// `weir_events_total` for this flow, made at the first event (after the engine has
+    /// installed its recorder) and kept: no look-up by labels per request.
+    events: std::sync::OnceLock<metrics::Counter>,
 }
 
 type Table = HashMap<String, Vec<Hook>>;
@@ -58,6 +61,7 @@ impl Routes {
                         flow: f.flow.id.clone(),
                         node: node.to_string(),
                         spec: spec.clone(),
+                        events: Default::default(),
                     });
                 }
             }
@@ -172,7 +176,10 @@ async fn accept(
     };
     let id = match added {
         Ok(id) => {
-            metrics::counter!("weir_events_total", "trigger" => "webhook", "flow" => hook.flow.clone())
+            hook.events
+                .get_or_init(|| {
+                    metrics::counter!("weir_events_total", "trigger" => "webhook", "flow" => hook.flow.clone())
+                })
                 .increment(1);
             id
         }
