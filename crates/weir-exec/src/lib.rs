@@ -104,6 +104,35 @@ pub fn consumer_name() -> String {
     format!("{host}-{}-{}", std::process::id(), &id[id.len() - 5..])
 }
 
+/// How a wave's commit ended its item, as `weir_items_ended_total` labels it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    Ack,
+    DeadLetter,
+    Park,
+    Superseded,
+}
+
+impl Ended {
+    pub(crate) fn of(end: Option<&weir_queue::End>) -> Ended {
+        match end {
+            Some(weir_queue::End::DeadLetter(_)) => Ended::DeadLetter,
+            Some(weir_queue::End::Park) => Ended::Park,
+            Some(weir_queue::End::Superseded) => Ended::Superseded,
+            Some(weir_queue::End::Ack) | None => Ended::Ack,
+        }
+    }
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Ended::Ack => "ack",
+            Ended::DeadLetter => "dead_letter",
+            Ended::Park => "park",
+            Ended::Superseded => "superseded",
+        }
+    }
+}
+
 /// A loaded flow with what the executor keeps for it.
 pub struct FlowRt {
     pub flow: LoadedFlow,
@@ -119,7 +148,7 @@ pub struct FlowRt {
 
 /// A node's calls and failures in this engine since its flow was loaded (the dashboard's
 /// figures; the Prometheus counters add up by node type).
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct NodeCounts {
     pub calls: std::sync::atomic::AtomicU64,
     pub failures: std::sync::atomic::AtomicU64,
@@ -151,18 +180,16 @@ impl FlowRt {
         }
     }
 
-    /// Count a wave ended by its commit (`end` one of ack, dead_letter, park, superseded)
-    /// and how long it took. The series' handles are made at their first use, after the
-    /// engine has installed its recorder, and kept: looking each one up in the recorder by
-    /// its labels at every event was a hash of the labels and a search of a registry that
-    /// grows with the flows (with 1,000 flows loaded, one series per flow).
-    pub(crate) fn ended(&self, end: &'static str, took: std::time::Duration) {
-        const ENDS: [&str; 4] = ["ack", "dead_letter", "park", "superseded"];
-        let i = ENDS.iter().position(|e| *e == end).unwrap_or(0);
+    /// Count a wave ended by its commit, and how long it took. The series' handles are
+    /// made at their first use, after the engine has installed its recorder, and kept:
+    /// looking each one up in the recorder by its labels at every event was a hash of the
+    /// labels and a search of a registry that grows with the flows (with 1,000 flows loaded,
+    /// one series per flow).
+    pub(crate) fn ended(&self, end: Ended, took: std::time::Duration) {
         let flow = &self.flow.id;
-        self.ended[i]
+        self.ended[end as usize]
             .get_or_init(|| {
-                metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => ENDS[i])
+                metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end.label())
             })
             .increment(1);
         self.wave_seconds

@@ -70,12 +70,7 @@ impl Executor {
                     }
                     Outcome::Commit(fx, extras) => (fx, extras),
                 };
-                let end = match &fx.end {
-                    Some(End::DeadLetter(_)) => "dead_letter",
-                    Some(End::Park) => "park",
-                    Some(End::Superseded) => "superseded",
-                    _ => "ack",
-                };
+                let end = crate::Ended::of(fx.end.as_ref());
                 if flow.as_ref().is_some_and(|f| f.flow.concurrency > 1) {
                     drop(permit.take());
                 }
@@ -99,7 +94,7 @@ impl Executor {
                             Some(f) => f.ended(end, started.elapsed()),
                             None => {
                                 let flow = c.item.flow.clone();
-                                metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end).increment(1);
+                                metrics::counter!("weir_items_ended_total", "flow" => flow.clone(), "end" => end.label()).increment(1);
                                 metrics::histogram!("weir_wave_seconds", "flow" => flow).record(started.elapsed().as_secs_f64());
                             }
                         }
