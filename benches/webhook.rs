@@ -12,7 +12,9 @@
 //!
 //! Each scenario checks that the number journaled equals the number sent (the engine's own
 //! count of items ended). Run: `cargo bench --bench webhook` (`WEIR_BENCH_SECS` sets the
-//! length of each load, default 8 s).
+//! length of each load, default 8 s). `WEIR_BENCH_ONLY=flows` runs only the 1,000-flow
+//! comparison, both sides on fresh engines, alternating (`WEIR_BENCH_ROUNDS`, default 3), to
+//! look at that ratio on its own.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -22,7 +24,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
-use weir_testkit::ceilings::{fsyncs_per_second, rss_kib};
+use weir_testkit::ceilings::{cpu_time, fsyncs_per_second, rss_kib};
 use weir_testkit::load::{self, accept_flow, bench_secs, LoadReport, LoadSpec};
 use weir_testkit::{metric_sum, weir_bin, Mosquitto, WeirProcess};
 
@@ -144,8 +146,79 @@ fn time_to_healthy(flows: &Path, queue: &str, mqtt: &str) -> Duration {
     took
 }
 
+/// One accepted load against a fresh engine whose flows are the examples and `n` accept
+/// flows (paths p0…p{n-1}): events per second accepted, and the engine's CPU time per event
+/// until all have run (checked).
+async fn accepted_over(root: &Path, n: usize, mqtt: &str, duration: Duration) -> (f64, Duration) {
+    let dir = root.join(format!("flows-{n}-{}", next_dir()));
+    let flows: Vec<(String, String)> = (0..n)
+        .map(|i| {
+            (
+                format!("f{i:04}.yaml"),
+                accept_flow(&format!("f{i:04}"), &format!("p{i}")),
+            )
+        })
+        .collect();
+    flows_dir(&dir, &flows);
+    let queue = format!("sqlite:{}/queue.db", dir.display());
+    let p = WeirProcess::start(&dir, &queue, &["--mqtt", mqtt]).await;
+    let cpu = cpu_time(p.pid());
+    let m = load::run(spec(addr(&p.base), "/hooks/p{n}", n, duration)).await;
+    drained(&p, Duration::from_secs(120)).await;
+    let per_event = (cpu_time(p.pid()) - cpu) / m.ok().max(1) as u32;
+    println!(
+        "weir accepted, {n:>4} flow(s): {}  engine CPU {:.1} µs/event",
+        line(&m),
+        per_event.as_secs_f64() * 1e6
+    );
+    let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"f"]).await;
+    assert_eq!(ended, m.ok(), "every 202 was journaled and run once");
+    p.stop(Duration::from_secs(10)).await;
+    (m.rate(), per_event)
+}
+
+fn next_dir() -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    N.fetch_add(1, Ordering::Relaxed).to_string()
+}
+
+/// `WEIR_BENCH_ONLY=flows`: 1 flow against 1,000, each on a fresh engine, in turn.
+async fn flows_only(duration: Duration) {
+    let rounds: usize = std::env::var("WEIR_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let tmp = tempfile::tempdir().unwrap();
+    let broker = Mosquitto::start();
+    let (mut rates, mut cpus) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let (one, one_cpu) = accepted_over(tmp.path(), 1, &broker.url(), duration).await;
+        let (many, many_cpu) = accepted_over(tmp.path(), 1000, &broker.url(), duration).await;
+        let cpu = many_cpu.as_secs_f64() / one_cpu.as_secs_f64();
+        println!(
+            "  1,000 flows vs 1: rate {:.2}×, engine CPU per event {cpu:.2}×",
+            one / many
+        );
+        rates.push(one / many);
+        cpus.push(cpu);
+    }
+    let show = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>()
+    };
+    println!(
+        "\n1,000 flows vs 1 (fresh engines, alternating): cost per event by rate {:?}, by engine CPU {:?} | target ≤ 1.2×",
+        show(rates),
+        show(cpus)
+    );
+}
+
 async fn bench() {
     let duration = bench_secs();
+    if std::env::var("WEIR_BENCH_ONLY").as_deref() == Ok("flows") {
+        return flows_only(duration).await;
+    }
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
     let fsync = fsyncs_per_second(tmp.path());

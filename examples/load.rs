@@ -1,5 +1,6 @@
 //! The benchmarks' load generator on its own, for profiling a running engine:
-//! `cargo run --release --example load -- 127.0.0.1:8080 /hooks/echo [connections] [secs]`.
+//! `cargo run --release --example load -- 127.0.0.1:8080 /hooks/echo [connections] [secs] [paths]`
+//! (with `paths`, a `{n}` in the path runs over 0…paths-1, as in `/hooks/p{n}`).
 
 use std::time::Duration;
 
@@ -11,16 +12,17 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let addr = args
         .first()
-        .expect("usage: load ADDR PATH [connections] [secs]")
+        .expect("usage: load ADDR PATH [connections] [secs] [paths]")
         .parse()
         .expect("ADDR as 127.0.0.1:PORT");
     let path = args.get(1).cloned().unwrap_or_else(|| "/hooks/echo".into());
     let connections = args.get(2).and_then(|v| v.parse().ok()).unwrap_or(16);
     let secs: f64 = args.get(3).and_then(|v| v.parse().ok()).unwrap_or(10.0);
+    let paths = args.get(4).and_then(|v| v.parse().ok()).unwrap_or(1);
     let r = run(LoadSpec {
         addr,
         path,
-        paths: 1,
+        paths,
         body: Bytes::from_static(br#"{"temperature":21.5,"room":"kitchen"}"#),
         connections,
         duration: Duration::from_secs_f64(secs),
