@@ -1,8 +1,9 @@
 //! The executor: claims work items, runs each item's wave through its flow's graph until
 //! quiescence, and ends the item with one atomic commit of everything the wave did.
 //!
-//! Order and concurrency: items are claimed in journal order and handed to their flow's
-//! dispatcher, which starts waves in that order, at most `concurrency` at a time. Waves that
+//! Order and concurrency: items are claimed in journal order and started in that order per
+//! flow, at most `concurrency` at a time: at once when the flow has a free place and nothing
+//! waiting, otherwise by the flow's dispatcher, which takes them in turn. Waves that
 //! may call a stateful node (delay, a function with state) queue for it in journal order and
 //! hold it until their commit returns, so a node's memory sees its messages in order; the
 //! version check in the commit catches conflicts with other engines, and the wave runs again.
@@ -11,15 +12,19 @@ mod wave;
 
 pub use wave::{RunRecord, RUNS};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use weir_nodes::LoadedFlow;
-use weir_queue::{now_ms, Claimed, Failpoints, WorkQueue};
+use weir_queue::{now_ms, Claimed, Failpoints, QueueError, WorkQueue};
 
 /// Executor settings.
 #[derive(Debug, Clone)]
@@ -277,12 +282,63 @@ pub struct Executor {
     pub failpoints: Failpoints,
 }
 
-/// A claimed item on its way to its flow's dispatcher, with its share of the in-flight bound.
+/// A claimed item on its way to its wave, with its share of the in-flight bound.
 struct Job {
     claimed: Claimed,
     _permit: OwnedSemaphorePermit,
     /// Given back when the wave starts.
     waiting: OwnedSemaphorePermit,
+}
+
+type Permits = (OwnedSemaphorePermit, OwnedSemaphorePermit);
+
+/// A claim waiting in the backend, with the permits (in flight, waiting) it asked for.
+struct Claim {
+    permits: Permits,
+    claim: Pin<Box<dyn Future<Output = Result<Vec<Claimed>, QueueError>> + Send>>,
+    answer: Option<Result<Vec<Claimed>, QueueError>>,
+}
+
+/// The claims waiting in the backend, in the order they were made. They are futures polled
+/// here, not tasks: each is first polled (and so reaches the backend) in the order made, and
+/// the answers are taken in that order, which is the order the backend answers them in
+/// (journal order). As tasks, whichever a worker thread ran first reached SQLite's writer
+/// first, and whichever finished first was taken first: the items of a later claim started
+/// before an earlier one's, out of order within a flow
+/// (`a_burst_over_two_flows_keeps_each_flows_journal_order`).
+#[derive(Default)]
+struct Claims(VecDeque<Claim>);
+
+impl Claims {
+    /// Poll every claim not yet answered, in order; ready when the first is answered.
+    fn poll_first(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<(Permits, Result<Vec<Claimed>, QueueError>)> {
+        for c in self.0.iter_mut().filter(|c| c.answer.is_none()) {
+            if let Poll::Ready(a) = c.claim.as_mut().poll(cx) {
+                c.answer = Some(a);
+            }
+        }
+        if self.0.front().is_none_or(|c| c.answer.is_none()) {
+            return Poll::Pending;
+        }
+        match self.0.pop_front() {
+            Some(Claim {
+                permits,
+                answer: Some(answer),
+                ..
+            }) => Poll::Ready((permits, answer)),
+            _ => Poll::Pending,
+        }
+    }
+}
+
+/// A flow's dispatcher, made the first time one of its items has to wait for a place: the
+/// items it holds, in journal order, and how many it has not yet started.
+struct Lane {
+    tx: mpsc::UnboundedSender<Job>,
+    behind: Arc<AtomicUsize>,
 }
 
 impl Executor {
@@ -306,7 +362,7 @@ impl Executor {
         let tracker = TaskTracker::new();
         let in_flight = Arc::new(Semaphore::new(self.cfg.max_in_flight));
         let waiting = Arc::new(Semaphore::new(self.cfg.max_waiting.max(1)));
-        let mut dispatchers: HashMap<String, mpsc::UnboundedSender<Job>> = HashMap::new();
+        let mut lanes: HashMap<String, Lane> = HashMap::new();
         let mut failures: u32 = 0;
         let mut last_reclaim = tokio::time::Instant::now();
         // The first prune comes a minute after start (sooner if pruning is more frequent).
@@ -324,9 +380,9 @@ impl Executor {
                 tracing::warn!(error = %e, "could not look for items an earlier run left in flight; they come back after the reclaim delay")
             }
         }
-        // Claims run as tasks, each holding the in-flight permits it asked for, so that
-        // `claims_ahead` of them can wait in the backend at once.
-        let mut claims = tokio::task::JoinSet::new();
+        // `claims_ahead` claims wait in the backend at once, each holding the in-flight
+        // permits it asked for (see [`Claims`]).
+        let mut claims = Claims::default();
         let ahead = self.queue.claims_ahead().max(1);
         loop {
             if shutdown.is_cancelled() {
@@ -372,12 +428,12 @@ impl Executor {
             };
             let claimed = match ready {
                 Ok(wait) => {
-                    while claims.len() < ahead {
+                    while claims.0.len() < ahead {
                         // The free permits shared among the claims still to be made.
                         let free = in_flight
                             .available_permits()
                             .min(waiting.available_permits())
-                            .div_ceil(ahead - claims.len())
+                            .div_ceil(ahead - claims.0.len())
                             .min(self.cfg.claim_batch);
                         let Some(permits) = (free > 0)
                             .then(|| {
@@ -390,11 +446,15 @@ impl Executor {
                             break;
                         };
                         let (queue, consumer) = (self.queue.clone(), self.cfg.consumer.clone());
-                        claims.spawn(
-                            async move { (permits, queue.claim(&consumer, free, wait).await) },
-                        );
+                        claims.0.push_back(Claim {
+                            permits,
+                            answer: None,
+                            claim: Box::pin(
+                                async move { queue.claim(&consumer, free, wait).await },
+                            ),
+                        });
                     }
-                    if claims.is_empty() {
+                    if claims.0.is_empty() {
                         // Every permit is with a wave: wait for one to end.
                         tokio::select! {
                             _ = shutdown.cancelled() => break,
@@ -404,13 +464,9 @@ impl Executor {
                     }
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
-                        Some(done) = claims.join_next() => match done {
-                            Ok((permits, answer)) => answer.map(|items| (permits, items)),
-                            Err(e) => {
-                                tracing::error!(error = %e, "a claim task failed");
-                                continue;
-                            }
-                        },
+                        (permits, answer) = std::future::poll_fn(|cx| claims.poll_first(cx)) => {
+                            answer.map(|items| (permits, items))
+                        }
                     }
                 }
                 Err(e) => Err(e),
@@ -429,18 +485,36 @@ impl Executor {
                             tracing::error!("in-flight bound exceeded; item left for redelivery");
                             continue;
                         };
-                        let tx = dispatchers.entry(c.item.flow.clone()).or_insert_with(|| {
-                            let (tx, rx) = mpsc::unbounded_channel();
-                            let me = self.clone();
-                            let tr = tracker.clone();
-                            tracker.spawn(async move { me.dispatch(rx, tr).await });
-                            tx
-                        });
-                        let _ = tx.send(Job {
+                        let job = Job {
                             claimed: c,
                             _permit: permit,
                             waiting,
-                        });
+                        };
+                        // With nothing of its flow waiting before it and a place free, the
+                        // wave starts here: one task, not a hand-off to the flow's dispatcher
+                        // and a wake of it for every item (with many flows, most items are
+                        // the only one of their flow in a claim).
+                        let lane = lanes.get(&job.claimed.item.flow);
+                        let job = match lane.is_none_or(|l| l.behind.load(Ordering::Acquire) == 0) {
+                            true => match self.try_start(job, &tracker) {
+                                None => continue,
+                                Some(job) => job,
+                            },
+                            false => job,
+                        };
+                        let lane =
+                            lanes
+                                .entry(job.claimed.item.flow.clone())
+                                .or_insert_with(|| {
+                                    let (tx, rx) = mpsc::unbounded_channel();
+                                    let behind = Arc::new(AtomicUsize::new(0));
+                                    let (me, tr, b) =
+                                        (self.clone(), tracker.clone(), behind.clone());
+                                    tracker.spawn(async move { me.dispatch(rx, b, tr).await });
+                                    Lane { tx, behind }
+                                });
+                        lane.behind.fetch_add(1, Ordering::AcqRel);
+                        let _ = lane.tx.send(job);
                     }
                 }
                 Err(e) => {
@@ -460,9 +534,8 @@ impl Executor {
         }
         // Claims still waiting are dropped: what the backend hands them after this goes
         // back to it (SQLite makes an unreceived answer ready again; `release` below).
-        claims.abort_all();
-        while claims.join_next().await.is_some() {}
-        drop(dispatchers);
+        drop(claims);
+        drop(lanes);
         tracker.close();
         if tokio::time::timeout(self.cfg.shutdown_grace, tracker.wait())
             .await
@@ -508,35 +581,70 @@ impl Executor {
         }
     }
 
-    /// One flow's dispatcher: starts its waves in journal order, `concurrency` at a time.
-    async fn dispatch(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Job>, tracker: TaskTracker) {
+    /// Start `job`'s wave now if its flow has a place free; give the job back if not.
+    fn try_start(self: &Arc<Self>, job: Job, tracker: &TaskTracker) -> Option<Job> {
+        let flow = self.flows.get(&job.claimed.item.flow);
+        let permit = match &flow {
+            Some(f) => match f.permits.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => return Some(job),
+            },
+            None => None,
+        };
+        self.start(flow, permit, job, tracker);
+        None
+    }
+
+    /// Take `job`'s places in line at the stateful nodes its wave may call (journal order:
+    /// the caller starts a flow's items in that order) and run the wave as a task.
+    fn start(
+        self: &Arc<Self>,
+        flow: Option<Arc<FlowRt>>,
+        permit: Option<OwnedSemaphorePermit>,
+        job: Job,
+        tracker: &TaskTracker,
+    ) {
+        let (wait, hold) = match &flow {
+            Some(f) => {
+                let serial = f
+                    .flow
+                    .node_index(&job.claimed.item.node)
+                    .map(|n| f.flow.stateful_from(n))
+                    .unwrap_or_default();
+                f.queue_for(serial)
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        let me = self.clone();
+        tracker.spawn(async move {
+            for w in wait {
+                let _ = w.await;
+            }
+            drop(job.waiting);
+            me.process(flow, job.claimed, permit).await;
+            drop(hold);
+            drop(job._permit);
+        });
+    }
+
+    /// One flow's dispatcher: starts the waves that found no free place, in journal order,
+    /// as places free up; `behind` counts those not yet started.
+    async fn dispatch(
+        self: Arc<Self>,
+        mut rx: mpsc::UnboundedReceiver<Job>,
+        behind: Arc<AtomicUsize>,
+        tracker: TaskTracker,
+    ) {
         while let Some(job) = rx.recv().await {
             let flow = self.flows.get(&job.claimed.item.flow);
-            let (permit, wait, hold) = match &flow {
-                Some(f) => {
-                    let Ok(permit) = f.permits.clone().acquire_owned().await else {
-                        continue;
-                    };
-                    let serial = f
-                        .flow
-                        .node_index(&job.claimed.item.node)
-                        .map(|n| f.flow.stateful_from(n).to_vec())
-                        .unwrap_or_default();
-                    let (wait, hold) = f.queue_for(&serial);
-                    (Some(permit), wait, hold)
-                }
-                None => (None, Vec::new(), Vec::new()),
+            let permit = match &flow {
+                Some(f) => f.permits.clone().acquire_owned().await.ok(),
+                None => None,
             };
-            let me = self.clone();
-            tracker.spawn(async move {
-                for w in wait {
-                    let _ = w.await;
-                }
-                drop(job.waiting);
-                me.process(flow, job.claimed, permit).await;
-                drop(hold);
-                drop(job._permit);
-            });
+            self.start(flow, permit, job, &tracker);
+            // Counted down only once the wave has its places in line, so that the run loop
+            // starts nothing of this flow ahead of it.
+            behind.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
