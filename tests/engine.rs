@@ -3,10 +3,24 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use weir::Failpoints;
+use weir::{Failpoints, RunningEngine};
 use weir_testkit::{get_json, post_admin, post_json, start, start_on, wait_for, Sink};
 
 const SECS: Duration = Duration::from_secs(10);
+
+/// Items parked now, from `/api/stats`.
+async fn parked(e: &RunningEngine) -> u64 {
+    get_json(e, "/api/stats").await["parked"].as_u64().unwrap()
+}
+
+/// Wait until at least `n` items are parked.
+async fn wait_parked(e: &RunningEngine, n: u64) {
+    let deadline = Instant::now() + SECS;
+    while parked(e).await < n {
+        assert!(Instant::now() < deadline, "items were not parked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 #[tokio::test]
 async fn webhook_echo_is_answered_by_the_wave() {
@@ -222,12 +236,7 @@ nodes:
     for n in 0..4 {
         post_json(&e, "p", json!({"n": n})).await;
     }
-    let parked = || async { get_json(&e, "/api/stats").await["parked"].as_u64().unwrap() };
-    let deadline = Instant::now() + SECS;
-    while parked().await < 4 {
-        assert!(Instant::now() < deadline, "items were not parked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_parked(&e, 4).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(sink.count(), 0, "a paused flow runs nothing");
     let step = post_admin(&e, "/api/flows/paused/step").await;
@@ -239,7 +248,7 @@ nodes:
         vec![json!({"n": 0})],
         "step runs exactly the oldest"
     );
-    assert_eq!(parked().await, 3);
+    assert_eq!(parked(&e).await, 3);
     let flows = get_json(&e, "/api/flows").await;
     assert_eq!(flows[0]["paused"], true, "still paused after a step");
     post_admin(&e, "/api/flows/paused/resume").await;
@@ -594,12 +603,7 @@ nodes:
             assert_eq!(r.status(), 202);
         }
     }
-    let parked = || async { get_json(&e, "/api/stats").await["parked"].as_u64().unwrap() };
-    let deadline = Instant::now() + SECS;
-    while parked().await < 2 * N {
-        assert!(Instant::now() < deadline, "items were not parked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_parked(&e, 2 * N).await;
     for f in ["seen", "serial"] {
         post_admin(&e, &format!("/api/flows/{f}/resume")).await;
     }
@@ -607,12 +611,11 @@ nodes:
         sink.count() == N as usize
     })
     .await;
-    let got: Vec<u64> = sink
-        .bodies()
-        .iter()
-        .filter_map(|b| b["n"].as_u64())
-        .collect();
-    assert_eq!(got, (0..N).collect::<Vec<_>>(), "one at a time, in order");
+    assert_eq!(
+        sink.ns(),
+        (0..N).collect::<Vec<_>>(),
+        "one at a time, in order"
+    );
     let deadline = Instant::now() + 3 * SECS;
     let seen = loop {
         let kept = e.queue.read_node("seen", "seen").await.unwrap();
