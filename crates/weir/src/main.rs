@@ -246,6 +246,11 @@ enum FlowCmd {
     Step { flow: String },
 }
 
+// Opt-in (`--features mimalloc`): faster, at more memory when idle (docs/performance.md).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
