@@ -14,7 +14,8 @@
 //! count of items ended). Run: `cargo bench --bench webhook` (`WEIR_BENCH_SECS` sets the
 //! length of each load, default 8 s). `WEIR_BENCH_ONLY=flows` runs only the 1,000-flow
 //! comparison, both sides on fresh engines, alternating (`WEIR_BENCH_ROUNDS`, default 3), to
-//! look at that ratio on its own.
+//! look at that ratio on its own. `WEIR_BENCH_ONLY=alloc` compares the default build with
+//! `--features mimalloc` the same way (rate, CPU per event, idle memory).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -26,7 +27,7 @@ use bytes::Bytes;
 use serde_json::{json, Value};
 use weir_testkit::ceilings::{cpu_time, fsyncs_per_second, rss_kib};
 use weir_testkit::load::{self, accept_flow, bench_secs, LoadReport, LoadSpec};
-use weir_testkit::{metric_sum, weir_bin, Mosquitto, WeirProcess};
+use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
 
 const CONNECTIONS: usize = 16;
 
@@ -146,10 +147,25 @@ fn time_to_healthy(flows: &Path, queue: &str, mqtt: &str) -> Duration {
     took
 }
 
-/// One accepted load against a fresh engine whose flows are the examples and `n` accept
-/// flows (paths p0…p{n-1}): events per second accepted, and the engine's CPU time per event
-/// until all have run (checked).
-async fn accepted_over(root: &Path, n: usize, mqtt: &str, duration: Duration) -> (f64, Duration) {
+/// What one accepted load against a fresh engine showed.
+struct Accepted {
+    /// Events accepted per second.
+    rate: f64,
+    /// The engine's CPU time (every thread) per event, until all had run.
+    cpu: Duration,
+    /// Resident memory 1 s after the engine answered its first health check (KiB).
+    idle_kib: u64,
+}
+
+/// One accepted load against a fresh engine (the binary `bin`) whose flows are the examples
+/// and `n` accept flows (paths p0…p{n-1}); checks that every 202 ran once.
+async fn accepted_over(
+    bin: &Path,
+    root: &Path,
+    n: usize,
+    mqtt: &str,
+    duration: Duration,
+) -> Accepted {
     let dir = root.join(format!("flows-{n}-{}", next_dir()));
     let flows: Vec<(String, String)> = (0..n)
         .map(|i| {
@@ -161,21 +177,28 @@ async fn accepted_over(root: &Path, n: usize, mqtt: &str, duration: Duration) ->
         .collect();
     flows_dir(&dir, &flows);
     let queue = format!("sqlite:{}/queue.db", dir.display());
-    let p = WeirProcess::start(&dir, &queue, &["--mqtt", mqtt]).await;
+    let p = WeirProcess::start_bin(bin, &dir, &queue, &["--mqtt", mqtt]).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (idle_kib, _) = rss_kib(p.pid());
     let cpu = cpu_time(p.pid());
     let m = load::run(spec(addr(&p.base), "/hooks/p{n}", n, duration)).await;
     drained(&p, Duration::from_secs(120)).await;
     let per_event = (cpu_time(p.pid()) - cpu) / m.ok().max(1) as u32;
     println!(
-        "weir accepted, {n:>4} flow(s): {}  engine CPU {:.1} µs/event",
+        "weir accepted, {n:>4} flow(s): {}  engine CPU {:.1} µs/event, idle {:.1} MiB",
         line(&m),
-        per_event.as_secs_f64() * 1e6
+        per_event.as_secs_f64() * 1e6,
+        idle_kib as f64 / 1024.0
     );
     // The bench's own flows only (f0000…; the examples beside them run cron ticks).
     let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"f"]).await;
     assert_eq!(ended, m.ok(), "every 202 was journaled and run once");
     p.stop(Duration::from_secs(10)).await;
-    (m.rate(), per_event)
+    Accepted {
+        rate: m.rate(),
+        cpu: per_event,
+        idle_kib,
+    }
 }
 
 /// A number for each engine's directory, so that rounds do not share a queue file.
@@ -194,35 +217,76 @@ async fn flows_only(duration: Duration) {
         .max(1);
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
+    let bin = weir_bin();
     let (mut rates, mut cpus) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
-        let (one, one_cpu) = accepted_over(tmp.path(), 1, &broker.url(), duration).await;
-        let (many, many_cpu) = accepted_over(tmp.path(), 1000, &broker.url(), duration).await;
-        let cpu = many_cpu.as_secs_f64() / one_cpu.as_secs_f64();
+        let one = accepted_over(&bin, tmp.path(), 1, &broker.url(), duration).await;
+        let many = accepted_over(&bin, tmp.path(), 1000, &broker.url(), duration).await;
+        let cpu = many.cpu.as_secs_f64() / one.cpu.as_secs_f64();
         println!(
             "  1,000 flows vs 1: rate {:.2}×, engine CPU per event {cpu:.2}×",
-            one / many
+            one.rate / many.rate
         );
-        rates.push(one / many);
+        rates.push(one.rate / many.rate);
         cpus.push(cpu);
     }
-    // Sorted, with the median: a slow moment of the machine moves one round, not the median.
-    let show = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        let all = v.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>();
-        format!("median {:.2}× of {all:?}", v[v.len() / 2])
-    };
     println!(
         "\n1,000 flows vs 1 (fresh engines, alternating): cost per event by rate {}, by engine CPU {} | target ≤ 1.2×",
-        show(rates),
-        show(cpus)
+        median(rates, "×"),
+        median(cpus, "×")
+    );
+}
+
+/// Sorted, with the median: a slow moment of the machine moves one round, not the median.
+fn median(mut v: Vec<f64>, unit: &str) -> String {
+    v.sort_by(f64::total_cmp);
+    let all = v.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>();
+    format!("median {:.2}{unit} of {all:?}", v[v.len() / 2])
+}
+
+/// `WEIR_BENCH_ONLY=alloc`: the default `weir` against the one built with `--features
+/// mimalloc` (built here, in a target directory of its own, when missing), on fresh engines
+/// in turn: the accepted load's rate, the engine's CPU per event, and the memory when idle.
+async fn alloc_only(duration: Duration) {
+    let rounds: usize = std::env::var("WEIR_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let (glibc, mimalloc) = (weir_bin(), weir_bin_with("mimalloc"));
+    let tmp = tempfile::tempdir().unwrap();
+    let broker = Mosquitto::start();
+    let (mut rates, mut cpus, mut idle) = (Vec::new(), Vec::new(), [Vec::new(), Vec::new()]);
+    for _ in 0..rounds {
+        let g = accepted_over(&glibc, tmp.path(), 1, &broker.url(), duration).await;
+        let m = accepted_over(&mimalloc, tmp.path(), 1, &broker.url(), duration).await;
+        println!(
+            "  mimalloc vs default: rate {:.2}×, engine CPU per event {:.2}×, idle {:+.1} MiB",
+            m.rate / g.rate,
+            m.cpu.as_secs_f64() / g.cpu.as_secs_f64(),
+            (m.idle_kib as f64 - g.idle_kib as f64) / 1024.0
+        );
+        rates.push(m.rate / g.rate);
+        cpus.push(m.cpu.as_secs_f64() / g.cpu.as_secs_f64());
+        idle[0].push(g.idle_kib as f64 / 1024.0);
+        idle[1].push(m.idle_kib as f64 / 1024.0);
+    }
+    let [g_idle, m_idle] = idle;
+    println!(
+        "\n--features mimalloc vs the default build (fresh engines, alternating): rate {}, engine CPU per event {}; idle default {}, mimalloc {} | target ≤ 15 MiB idle",
+        median(rates, "×"),
+        median(cpus, "×"),
+        median(g_idle, " MiB"),
+        median(m_idle, " MiB")
     );
 }
 
 async fn bench() {
     let duration = bench_secs();
-    if std::env::var("WEIR_BENCH_ONLY").as_deref() == Ok("flows") {
-        return flows_only(duration).await;
+    match std::env::var("WEIR_BENCH_ONLY").as_deref() {
+        Ok("flows") => return flows_only(duration).await,
+        Ok("alloc") => return alloc_only(duration).await,
+        _ => {}
     }
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
@@ -326,7 +390,9 @@ async fn bench() {
     p.stop(Duration::from_secs(10)).await;
 
     // ---- 1,000 flows loaded vs 1 ----
-    let (many, _) = accepted_over(tmp.path(), 1000, &mqtt, duration).await;
+    let many = accepted_over(&weir_bin(), tmp.path(), 1000, &mqtt, duration)
+        .await
+        .rate;
     summary.push(format!(
         "1,000 flows loaded (events spread over all of them) vs 1: {many:.0} vs {one:.0} events/s accepted, cost per event {:.2}× | target ≤ 1.2×",
         one / many

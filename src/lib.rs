@@ -290,6 +290,28 @@ pub fn weir_bin() -> std::path::PathBuf {
     bin
 }
 
+/// The release `weir` binary built with `features` (say `mimalloc`), in a target directory
+/// of its own (`target/features-…`), so that the default binary beside it is left as it is.
+/// Built on first use (a cold build: minutes).
+pub fn weir_bin_with(features: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("bench binary path");
+    let target = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .and_then(|d| d.parent())
+        .expect("target dir")
+        .join(format!("features-{}", features.replace([',', ' '], "-")));
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = std::process::Command::new(cargo)
+        .args(["build", "-q", "--release", "-p", "weir", "--bin", "weir"])
+        .args(["--features", features, "--target-dir"])
+        .arg(&target)
+        .status()
+        .expect("cargo runs");
+    assert!(status.success(), "building weir with {features} failed");
+    target.join("release").join("weir")
+}
+
 /// A `weir run` process this test owns, on a free port; killed by PID when dropped.
 pub struct WeirProcess {
     pub base: String,
@@ -299,9 +321,19 @@ pub struct WeirProcess {
 impl WeirProcess {
     /// `weir run FLOWS --queue QUEUE` with extra arguments; waits until it answers /healthz.
     pub async fn start(flows: &std::path::Path, queue: &str, extra: &[&str]) -> WeirProcess {
+        Self::start_bin(&weir_bin(), flows, queue, extra).await
+    }
+
+    /// As [`WeirProcess::start`], with another build of `weir` (see [`weir_bin_with`]).
+    pub async fn start_bin(
+        bin: &std::path::Path,
+        flows: &std::path::Path,
+        queue: &str,
+        extra: &[&str],
+    ) -> WeirProcess {
         let port = weir_queue::testing::free_port();
         let log = std::env::temp_dir().join(format!("weir-test-{port}.log"));
-        let child = std::process::Command::new(weir_bin())
+        let child = std::process::Command::new(bin)
             .arg("run")
             .arg(flows)
             .args(["--queue", queue, "--http", &format!("127.0.0.1:{port}")])
