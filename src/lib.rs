@@ -203,6 +203,20 @@ async fn record(
     )
 }
 
+/// An hourly schedule (`0 * * * *`) also fires for real at the top of the hour. A test of the
+/// ticks missed while an engine was down waits here, when the next hour is less than `margin`
+/// away, until it has passed: then the only ticks it sees are those it set up.
+pub async fn clear_of_the_hour(margin: Duration) {
+    const HOUR_MS: u128 = 3_600_000;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970");
+    let left = Duration::from_millis((HOUR_MS - now.as_millis() % HOUR_MS) as u64);
+    if left < margin {
+        tokio::time::sleep(left + Duration::from_secs(1)).await;
+    }
+}
+
 /// Wait until `cond` holds, polling, or panic with `what` after `within`.
 pub async fn wait_for<F: FnMut() -> bool>(what: &str, within: Duration, mut cond: F) {
     let deadline = Instant::now() + within;
