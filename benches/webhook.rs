@@ -208,18 +208,22 @@ fn next_dir() -> String {
     N.fetch_add(1, Ordering::Relaxed).to_string()
 }
 
-/// `WEIR_BENCH_ONLY=flows`: 1 flow against 1,000, each on a fresh engine, in turn.
-async fn flows_only(duration: Duration) {
-    let rounds: usize = std::env::var("WEIR_BENCH_ROUNDS")
+/// Rounds of an alternating comparison: `WEIR_BENCH_ROUNDS`, default 3.
+fn rounds() -> usize {
+    std::env::var("WEIR_BENCH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3)
-        .max(1);
+        .max(1)
+}
+
+/// `WEIR_BENCH_ONLY=flows`: 1 flow against 1,000, each on a fresh engine, in turn.
+async fn flows_only(duration: Duration) {
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
     let bin = weir_bin();
     let (mut rates, mut cpus) = (Vec::new(), Vec::new());
-    for _ in 0..rounds {
+    for _ in 0..rounds() {
         let one = accepted_over(&bin, tmp.path(), 1, &broker.url(), duration).await;
         let many = accepted_over(&bin, tmp.path(), 1000, &broker.url(), duration).await;
         let cpu = many.cpu.as_secs_f64() / one.cpu.as_secs_f64();
@@ -248,16 +252,11 @@ fn median(mut v: Vec<f64>, unit: &str) -> String {
 /// mimalloc` (built here, in a target directory of its own, when missing), on fresh engines
 /// in turn: the accepted load's rate, the engine's CPU per event, and the memory when idle.
 async fn alloc_only(duration: Duration) {
-    let rounds: usize = std::env::var("WEIR_BENCH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3)
-        .max(1);
     let (glibc, mimalloc) = (weir_bin(), weir_bin_with("mimalloc"));
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
     let (mut rates, mut cpus, mut idle) = (Vec::new(), Vec::new(), [Vec::new(), Vec::new()]);
-    for _ in 0..rounds {
+    for _ in 0..rounds() {
         let g = accepted_over(&glibc, tmp.path(), 1, &broker.url(), duration).await;
         let m = accepted_over(&mimalloc, tmp.path(), 1, &broker.url(), duration).await;
         println!(
