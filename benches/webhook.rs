@@ -249,7 +249,7 @@ fn median(mut v: Vec<f64>, unit: &str) -> String {
 }
 
 /// `WEIR_BENCH_ONLY=alloc`: the default `weir` against the one built with `--features
-/// mimalloc` (built here, in a target directory of its own, when missing), on fresh engines
+/// mimalloc` (built here, in a target directory of its own), on fresh engines
 /// in turn: the accepted load's rate, the engine's CPU per event, and the memory when idle.
 async fn alloc_only(duration: Duration) {
     let (glibc, mimalloc) = (weir_bin(), weir_bin_with("mimalloc"));

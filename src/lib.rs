@@ -306,7 +306,7 @@ pub fn weir_bin() -> std::path::PathBuf {
 
 /// The release `weir` binary built with `features` (say `mimalloc`), in a target directory
 /// of its own (`target/features-…`), so that the default binary beside it is left as it is.
-/// Built on first use (a cold build: minutes).
+/// Cargo brings it up to date at each call; the first is a cold build (minutes).
 pub fn weir_bin_with(features: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("bench binary path");
     let target = exe
