@@ -320,17 +320,15 @@ impl Claims {
                 c.answer = Some(a);
             }
         }
-        if self.0.front().is_none_or(|c| c.answer.is_none()) {
+        // Not answered yet: the first claim was polled just above, so it wakes this task.
+        let Some(answer) = self.0.front_mut().and_then(|c| c.answer.take()) else {
             return Poll::Pending;
-        }
-        match self.0.pop_front() {
-            Some(Claim {
-                permits,
-                answer: Some(answer),
-                ..
-            }) => Poll::Ready((permits, answer)),
-            _ => Poll::Pending,
-        }
+        };
+        let first = self
+            .0
+            .pop_front()
+            .expect("the claim just answered is first");
+        Poll::Ready((first.permits, answer))
     }
 }
 
@@ -495,12 +493,13 @@ impl Executor {
                         // and a wake of it for every item (with many flows, most items are
                         // the only one of their flow in a claim).
                         let lane = lanes.get(&job.claimed.item.flow);
-                        let job = match lane.is_none_or(|l| l.behind.load(Ordering::Acquire) == 0) {
-                            true => match self.try_start(job, &tracker) {
+                        let job = if lane.is_none_or(|l| l.behind.load(Ordering::Acquire) == 0) {
+                            match self.try_start(job, &tracker) {
                                 None => continue,
                                 Some(job) => job,
-                            },
-                            false => job,
+                            }
+                        } else {
+                            job
                         };
                         let lane =
                             lanes
