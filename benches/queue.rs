@@ -23,7 +23,8 @@ use weir_queue::{
     WorkQueue,
 };
 use weir_testkit::ceilings::{
-    bytes_written, cpu_time, fsyncs_per_second, redis_streams_loop, sqlite_batched,
+    bytes_written, cpu_time, fsyncs_per_second, redis_lean_scripts, redis_server_cpu,
+    redis_streams_loop, sqlite_batched,
 };
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
@@ -326,12 +327,48 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
             rate / ceiling
         ));
     }
+    report.push(redis_server_floor(rt, &server.url(), &redis_q, raw_batched));
     let s = rt.block_on(redis_q.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),
         (0, 0),
         "everything journaled was acknowledged"
     );
+}
+
+/// Where the Redis ratio is bounded: the server's CPU time per item (its main thread, where
+/// every command and script runs) for the bare loop, for weir's pipelined case, and for the
+/// leanest script design that still checks each commit's lease (see
+/// `weir_testkit::ceilings::redis_lean_scripts`: no record per item, no body kept once an
+/// item finishes). A design whose items cost the server `c` µs each cannot pass 10⁶ / `c`
+/// items per second, whatever the client does: that rate over the bare loop's is the most
+/// its ratio can be.
+fn redis_server_floor(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    q: &Arc<dyn WorkQueue>,
+    bare_rate: f64,
+) -> String {
+    const ROUNDS: u64 = 200;
+    let items = (ROUNDS * BATCH as u64) as f64;
+    // The server's CPU per item over `run`, and the items per second `run` reached.
+    let per_item = |run: &dyn Fn() -> f64| {
+        let before = rt.block_on(redis_server_cpu(url));
+        let rate = run();
+        let cpu = rt.block_on(redis_server_cpu(url)) - before;
+        (cpu.as_secs_f64() * 1e6 / items, rate)
+    };
+    let (bare, _) = per_item(&|| rt.block_on(redis_streams_loop(url, BATCH, ROUNDS)));
+    let (weir, _) = per_item(&|| items / rt.block_on(pipelined(q.clone(), ROUNDS)).as_secs_f64());
+    let body = serde_json::to_string(&item()).unwrap();
+    let (lean, lean_rate) =
+        per_item(&|| rt.block_on(redis_lean_scripts(url, &body, BATCH, ROUNDS)));
+    let most = |cpu: f64| (1e6 / cpu, 1e6 / cpu / bare_rate);
+    let ((weir_most, weir_ratio), (lean_most, lean_ratio)) = (most(weir), most(lean));
+    format!(
+        "redis server CPU per item: bare loop {bare:.1} µs | weir pipelined {weir:.1} µs, so at most {weir_most:.0} items/s, ratio ≤ {weir_ratio:.2} | leanest checked script design {lean:.1} µs, at most {lean_most:.0}/s, ratio ≤ {lean_ratio:.2} (it ran at {lean_rate:.0}/s one batch at a time, ratio {:.2})",
+        lean_rate / bare_rate
+    )
 }
 
 criterion_group!(benches, bench);
