@@ -33,7 +33,7 @@ macro_rules! conformance_tests {
             idempotency_key_returns_first_id, ticks_are_journaled_once, cancel_by_hand,
             replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work,
             recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago,
-            items_come_back_as_they_were_added
+            items_come_back_as_they_were_added, an_item_added_again_is_journaled_once
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -618,4 +618,40 @@ pub async fn items_come_back_as_they_were_added(q: Q, _fp: Failpoints) {
     later.not_before = Some(now_ms() + 60_000);
     q.add(vec![later.clone()]).await.unwrap();
     assert_eq!(q.get(later.id).await.unwrap().unwrap().item, later);
+}
+
+/// An add whose answer was lost is retried with the same items: each is journaled once,
+/// whether the first is still waiting, already claimed, finished, or twice in one batch.
+pub async fn an_item_added_again_is_journaled_once(q: Q, _fp: Failpoints) {
+    let first = item("f", 1);
+    q.add(vec![first.clone()]).await.unwrap();
+    let mut changed = first.clone();
+    changed.outputs = vec![vec![json!({ "payload": 2 })]];
+    q.add(vec![changed, first.clone()]).await.unwrap();
+    let twice = item("f", 3);
+    q.add(vec![twice.clone(), twice.clone()]).await.unwrap();
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    let got: Vec<_> = c.iter().map(|c| (c.item.id, payload(&c.item))).collect();
+    assert_eq!(
+        got,
+        vec![(first.id, 1), (twice.id, 3)],
+        "one of each, as first added"
+    );
+    // Added again while in flight, and again once finished: nothing new to claim.
+    q.add(vec![first.clone()]).await.unwrap();
+    assert_eq!(
+        q.get(first.id).await.unwrap().unwrap().state.name(),
+        "in_flight"
+    );
+    for c in &c {
+        let r = q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap();
+        assert_eq!(r, Committed::Done);
+    }
+    q.add(vec![first.clone(), twice.clone()]).await.unwrap();
+    assert!(q.claim("a", 10, Duration::ZERO).await.unwrap().is_empty());
+    assert!(matches!(
+        q.get(first.id).await.unwrap().unwrap().state,
+        ItemState::Finished { .. }
+    ));
+    assert_eq!(q.stats().await.unwrap().ready, 0);
 }

@@ -254,7 +254,8 @@ pub struct ListFilter {
 /// checks each sentence it can.
 ///
 /// - **Journaling.** When `add` returns `Ok`, its items are durable (for a durable backend)
-///   and will be delivered at least once. A batch is all-or-nothing.
+///   and will be delivered at least once. A batch is all-or-nothing. An id journaled before
+///   (an add retried after its answer was lost) is journaled once: the first is kept.
 /// - **Order.** Ready items of one flow are claimed in journal order (the order they were
 ///   added, or became ready), and one claim never hands them out of that order. Across
 ///   flows, a backend that shards by flow takes from every shard in turn, so that a busy

@@ -66,6 +66,10 @@ struct Inner {
 
 impl Inner {
     fn insert(&mut self, mut item: WorkItem, now: i64) {
+        if self.entries.contains_key(&item.id) {
+            // The same item added again (a retried add): the first is kept.
+            return;
+        }
         self.seq += 1;
         let seq = self.seq;
         let st = match item.not_before {
