@@ -281,16 +281,19 @@ pub async fn post_admin(engine: &RunningEngine, path: &str) -> Value {
         .expect("JSON")
 }
 
-/// The `weir` binary of this build (built on demand when a test runs alone).
+/// The `weir` binary of these sources, brought up to date by cargo at the first call in a
+/// test process.
 pub fn weir_bin() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target dir")
-        .to_path_buf();
-    let bin = dir.join("weir");
-    if !bin.exists() {
+    // Built (or found up to date) once per test process: a binary left from an earlier
+    // build of other sources would be measured or tested in their place.
+    static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test binary path");
+        let dir = exe
+            .parent()
+            .and_then(|d| d.parent())
+            .expect("target dir")
+            .to_path_buf();
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         // A benchmark runs from target/release: build the binary it measures the same way.
         let release = dir.ends_with("release");
@@ -300,8 +303,9 @@ pub fn weir_bin() -> std::path::PathBuf {
             .status()
             .expect("cargo runs");
         assert!(status.success(), "building the weir binary failed");
-    }
-    bin
+        dir.join("weir")
+    })
+    .clone()
 }
 
 /// The release `weir` binary built with `features` (say `mimalloc`), in a target directory
