@@ -139,23 +139,31 @@ async fn a_poison_entry_is_dead_lettered_alone_and_the_rest_flow() {
         .await
         .unwrap();
     q.add(vec![item(1)]).await.unwrap();
-    // Corrupt the body of a second item behind the first one's back.
-    let bad = item(2);
-    let bad_id = bad.id;
-    q.add(vec![bad, item(3)]).await.unwrap();
+    // A second item whose body is corrupt, written behind weir's back as weir would have
+    // written it (its stream entry and its line in `live`), then a third.
+    let bad_id = ulid::Ulid::new();
     let client = redis::Client::open(server.url()).unwrap();
     let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let key = weir_queue::redis::keys::item(
-        &weir_queue::redis::keys::prefix("weir", 0),
-        &bad_id.to_string(),
-    );
-    let _: () = redis::cmd("HSET")
-        .arg(&key)
-        .arg("body")
-        .arg("{not json")
+    let p = weir_queue::redis::keys::prefix("weir", 0);
+    let entry: String = redis::cmd("XADD")
+        .arg(weir_queue::redis::keys::stream(&p))
+        .arg("*")
+        .arg(&["id", &bad_id.to_string(), "flow", "f", "d", "0", "enq", "1"])
+        .arg(&["body", "{not json"])
         .query_async(&mut c)
         .await
         .unwrap();
+    let _: () = redis::pipe()
+        .hset(
+            weir_queue::redis::keys::live(&p),
+            bad_id.to_string(),
+            format!("- {entry}"),
+        )
+        .zadd(weir_queue::redis::keys::index(&p), bad_id.to_string(), 0)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    q.add(vec![item(3)]).await.unwrap();
     let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
     let ns: Vec<i64> = got
         .iter()
@@ -307,4 +315,43 @@ async fn the_oldest_finished_records_go_and_no_live_item_with_them() {
         q.get(dead_id).await.unwrap().unwrap().state,
         ItemState::Dead { .. }
     ));
+}
+
+#[tokio::test]
+async fn a_namespace_an_earlier_weir_wrote_is_refused_with_the_way_out() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    // An earlier weir recorded its shards and no layout.
+    let _: () = redis::cmd("SET")
+        .arg(weir_queue::redis::keys::meta("weir", "shards"))
+        .arg(1)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let Err(e) =
+        RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new()).await
+    else {
+        panic!("a namespace of another layout was accepted");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("namespace `weir`") && e.contains("layout 1") && e.contains("ns="),
+        "{e}"
+    );
+    assert!(!e.contains("  "), "one sentence, no runs of spaces: {e}");
+    let fresh = RedisOptions {
+        namespace: "fresh".into(),
+        ..RedisOptions::default()
+    };
+    let q = RedisQueue::connect(&server.url(), fresh.clone(), Failpoints::new())
+        .await
+        .unwrap();
+    q.add(vec![item(1)]).await.unwrap();
+    assert!(
+        RedisQueue::connect(&server.url(), fresh, Failpoints::new())
+            .await
+            .is_ok(),
+        "a namespace this weir wrote opens again"
+    );
 }

@@ -25,9 +25,21 @@ pub fn stream(p: &str) -> String {
     format!("{p}stream")
 }
 
-/// One item's record (a hash: body, st, entry, deliveries, lease, …).
+/// The record of a delayed, parked or dead item (a hash: body, flow, st, deliveries, …). A
+/// waiting or in-flight item's record is its stream entry; a finished one's is in [`out`].
 pub fn item(p: &str, id: &str) -> String {
     format!("{p}item:{id}")
+}
+
+/// Waiting and in-flight items by id: `- ENTRY` while waiting, `LEASE ENTRY SINCE
+/// DELIVERIES CONSUMER` once claimed (a hash).
+pub fn live(p: &str) -> String {
+    format!("{p}live")
+}
+
+/// Finished items' records by id, as JSON (a hash; the newest are kept).
+pub fn out(p: &str) -> String {
+    format!("{p}out")
 }
 
 /// A node's memory: values (JSON) by key.

@@ -4,9 +4,14 @@
 //!   entry stays pending until its commit acknowledges and deletes it, and an engine that
 //!   dies leaves its entries pending for `XAUTOCLAIM` to hand to the living. Nothing is ever
 //!   trimmed: an entry is deleted when its item ends.
-//! - Each item has a record (a hash) with its body, state, delivery count and lease. A claim
-//!   bumps the count and the lease in the same script that reads the entry, so the count is
-//!   the item's own, exactly, and a commit from an engine whose lease is gone is refused.
+//! - A ready or in-flight item's record is its stream entry (body, flow, the deliveries it
+//!   had when the entry was made) and its line in one hash, `live`: `- ENTRY` while it waits,
+//!   `LEASE ENTRY SINCE DELIVERIES CONSUMER` once claimed. A claim writes the line in the
+//!   same script that reads the entry, so the count is the item's own, exactly, and a commit
+//!   from an engine whose lease is gone is refused. A claim and an acknowledgement therefore
+//!   touch no key of the item's own: every write they make is one command for the whole
+//!   batch. Delayed, parked and dead items have a hash each; a finished item leaves its
+//!   record (outcome, body) as JSON in the hash `out`, the newest 10,000 per shard kept.
 //! - Delayed items wait in a sorted set; promotion is one script (remove, append, mark), so
 //!   a crash can neither lose nor duplicate one. Parked items are a list per flow, unparked
 //!   by one script. Dead letters are a capped stream; an eviction is counted and recorded.
@@ -40,6 +45,10 @@ use crate::{
 };
 
 const HELPERS: &str = include_str!("scripts.lua");
+/// How the keys hold items (see scripts.lua). 1: a hash per item in every state; 2: a
+/// waiting or in-flight item is its stream entry and a line of `live`, a finished one a
+/// field of `out`.
+const LAYOUT: u32 = 2;
 /// Finished item records kept per shard for `get`.
 const FINISHED_KEPT: usize = 10_000;
 /// Dead letters kept per shard, by default, before the oldest is evicted (counted, recorded).
@@ -62,10 +71,17 @@ if (#ARGV - 3) % 6 ~= 0 then return redis.error_reply('weir add: six arguments a
 local n = (#ARGV - 3) / 6
 local ready = ready_count()
 if ready + n > max then return {'full', ready} end
+local ids = {}
+for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 6 * i] end
+-- Ids with a record already (a retried add), and ids twice in this batch, are kept once.
+local seen = known(ids)
 for i = 0, n - 1 do
   local a = 4 + 6 * i
-  insert({id = ARGV[a], flow = ARGV[a + 1], deliveries = ARGV[a + 2], enq = ARGV[a + 3],
-    due = ARGV[a + 4], body = ARGV[a + 5]})
+  if not seen[ARGV[a]] then
+    seen[ARGV[a]] = true
+    insert({id = ARGV[a], flow = ARGV[a + 1], deliveries = ARGV[a + 2], enq = ARGV[a + 3],
+      due = ARGV[a + 4], body = ARGV[a + 5]}, true)
+  end
 end
 return {'ok', 0}
 "#;
@@ -90,6 +106,8 @@ insert(cjson.decode(ARGV[7]))
 return 1
 "#;
 
+/// ARGV[3] the consumer, ARGV[4] how many at most. Answers, for each item claimed: id,
+/// deliveries, lease, stepped ('1' or '0'), body.
 const CLAIM: &str = r#"
 local function read()
   return redis.pcall('XREADGROUP', 'GROUP', G, ARGV[3], 'COUNT', ARGV[4], 'STREAMS', STREAM, '>')
@@ -106,37 +124,41 @@ local out = {}
 if not r then return out end
 local entries = r[1][2]
 if #entries == 0 then return out end
+local ids = {}
+for i, e in ipairs(entries) do ids[i] = e[2][2] end
+-- Each entry's item must be waiting on that very entry (it always is, unless the data
+-- was changed behind weir's back): one read for the whole batch.
+live_read(ids)
 -- Leases for the whole read in one step: each claim's is new, never reused.
 local lease = redis.call('INCRBY', P .. 'lease', #entries) - #entries
-for _, e in ipairs(entries) do
-  local eid = e[1]
-  local id = e[2][2]
-  local k = ik(id)
-  local st, entry, stepped, body, d =
-    unpack(redis.call('HMGET', k, 'st', 'entry', 'stepped', 'body', 'deliveries'))
-  if st ~= 'waiting' or entry ~= eid then
-    -- An entry whose item has moved on: nothing to run.
+for i, e in ipairs(entries) do
+  local eid, f, id = e[1], e[2], ids[i]
+  -- Fields as written: id, flow, d, enq, body[, stepped].
+  if READ[id] ~= '- ' .. eid or f[5] ~= 'd' or f[9] ~= 'body' then
     ACKS[#ACKS + 1] = eid
   else
-    d = tonumber(d or '0') + 1
     lease = lease + 1
-    redis.call('HSET', k, 'st', 'in_flight', 'consumer', ARGV[3], 'since', NOW, 'lease', lease,
-      'deliveries', d)
-    out[#out + 1] = {id, d, lease, stepped or '0', body}
+    local d = tonumber(f[6]) + 1
+    live_set(id, lease .. ' ' .. eid .. ' ' .. NOW .. ' ' .. d .. ' ' .. ARGV[3])
+    out[#out + 1] = {id, d, lease, f[12] or '0', f[10]}
   end
 end
 return out
 "#;
 
-/// Several waves' commits in one call (group commit): ARGV[3] is how many, then six
-/// arguments each (id, lease, flow, how it ends, the reason, and the rest of its effects as
-/// JSON, or nothing when it has none). Each is checked and applied on its own, as if alone;
-/// the answer is one word per commit: done, conflict or failed (a failpoint).
+/// Several waves' commits in one call (group commit): ARGV[3] is how many, then seven
+/// arguments each (id, lease, flow, how it ends, the reason, the rest of its effects as
+/// JSON or nothing when it has none, and for an `ack` its finished record as JSON). Each is
+/// checked and applied on its own, as if alone; the answer is one word per commit: done,
+/// conflict or failed (a failpoint).
 const COMMIT: &str = r#"
-local function commit(id, lease, flow, kind, reason, effects)
-  local k = ik(id)
-  local st, cur, dentry, e = unpack(redis.call('HMGET', k, 'st', 'lease', 'dentry', 'entry'))
-  if st ~= 'in_flight' or cur ~= lease then return 'conflict' end
+local function commit(id, lease, flow, kind, reason, effects, rec)
+  -- The item must still be in flight on this very claim: its `live` line starts with the
+  -- lease (each claim's is new), then the entry.
+  local v = live_get(id)
+  local want = lease .. ' '
+  if not v or string.sub(v, 1, #want) ~= want then return 'conflict' end
+  local eid = string.match(v, '^%S+ (%S+)')
   local fx = nil
   if effects ~= '' then
     fx = cjson.decode(effects)
@@ -162,22 +184,28 @@ local function commit(id, lease, flow, kind, reason, effects)
   end
   GONE[#GONE + 1] = P .. 'done:' .. id
   if kind == 'ack' then
-    finish(id, reason, {st, flow, dentry, e})
+    ACKS[#ACKS + 1] = eid
+    live_set(id, false)
+    OUTS[id] = rec
+    FINISHED[#FINISHED + 1] = id
   elseif kind == 'dead' then
     bury(id, reason)
   else
-    unstream(k)
+    local k = unstream(id)
     redis.call('HSET', k, 'st', 'parked')
-    redis.call('HDEL', k, 'consumer', 'since', 'stepped')
     redis.call('RPUSH', P .. 'parked:' .. flow, id)
     redis.call('SADD', P .. 'parked_flows', flow)
   end
   return 'done'
 end
 local out = {}
+local ids = {}
+for i = 0, tonumber(ARGV[3]) - 1 do ids[i + 1] = ARGV[4 + 7 * i] end
+live_read(ids)
 for i = 0, tonumber(ARGV[3]) - 1 do
-  local a = 4 + 6 * i
-  out[#out + 1] = commit(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
+  local a = 4 + 7 * i
+  out[#out + 1] = commit(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4],
+    ARGV[a + 5], ARGV[a + 6])
 end
 return out
 "#;
@@ -203,7 +231,12 @@ local n = 0
 for _, e in ipairs(res[2]) do
   local eid, f = e[1], e[2]
   ACKS[#ACKS + 1] = eid
-  if f then n = n + requeue(f[2], eid) end
+  -- An entry deleted meanwhile comes back without fields (Redis 6.2).
+  if f then
+    local t = {}
+    for i = 1, #f, 2 do t[f[i]] = f[i + 1] end
+    if t.id then n = n + requeue(t.id, eid, t) end
+  end
 end
 return {n, res[1]}
 "#;
@@ -218,8 +251,8 @@ local n = 0
 for _, e in ipairs(p) do
   local eid = e[1]
   ACKS[#ACKS + 1] = eid
-  local r = redis.call('XRANGE', STREAM, eid, eid)[1]
-  if r then n = n + requeue(r[2][2], eid) end
+  local f = entry_fields(eid)
+  if f and f.id then n = n + requeue(f.id, eid, f) end
 end
 local left = 0
 if #p < tonumber(ARGV[4]) then
@@ -256,7 +289,7 @@ return {granted, string.format('%.0f', next_in)}
 "#;
 
 const BURY: &str = r#"
-if redis.call('HGET', ik(ARGV[3]), 'st') ~= 'in_flight' then return 0 end
+if locate(ARGV[3]) ~= 'in_flight' then return 0 end
 bury(ARGV[3], ARGV[4])
 return 1
 "#;
@@ -269,11 +302,11 @@ local outcomes, dead = 0, 0
 for _ = 1, limit do
   local id = redis.call('LINDEX', P .. 'finished', 0)
   if not id then break end
-  local st, at = unpack(redis.call('HMGET', ik(id), 'st', 'at'))
-  if st == 'finished' and tonumber(at or '0') >= before then break end
+  local rec = redis.call('HGET', OUT, id)
+  if rec and tonumber(cjson.decode(rec).at or '0') >= before then break end
   redis.call('LPOP', P .. 'finished')
-  if st == 'finished' then
-    redis.call('DEL', ik(id))
+  if rec then
+    redis.call('HDEL', OUT, id)
     redis.call('ZREM', P .. 'index', id)
     outcomes = outcomes + 1
   end
@@ -294,25 +327,22 @@ return {outcomes, dead}
 const RECOVER: &str = r#"
 -- This consumer's own pending entries (an earlier run of it died holding them), oldest
 -- first: claimed again here, in place, so they keep their turn ahead of newer entries.
+-- Answers as a claim does.
 local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
 if type(p) == 'table' and p.err then return {} end
 local out = {}
 for _, e in ipairs(p) do
   local eid = e[1]
-  local r = redis.call('XRANGE', STREAM, eid, eid)[1]
-  local st, entry, stepped, body
-  if r then
-    st, entry, stepped, body = unpack(redis.call('HMGET', ik(r[2][2]), 'st', 'entry', 'stepped', 'body'))
-  end
-  if r and st == 'in_flight' and entry == eid then
-    local id = r[2][2]
-    local k = ik(id)
+  local f = entry_fields(eid)
+  local st, at
+  if f and f.id then st, at = locate(f.id) end
+  if st == 'in_flight' and at.entry == eid then
     -- Reset the entry's idle time, so no other engine's reclaim takes it meanwhile.
     redis.call('XCLAIM', STREAM, G, ARGV[3], 0, eid, 'JUSTID')
-    local d = redis.call('HINCRBY', k, 'deliveries', 1)
+    local d = tonumber(at.d) + 1
     local lease = redis.call('INCR', P .. 'lease')
-    redis.call('HSET', k, 'since', NOW, 'lease', lease, 'consumer', ARGV[3])
-    out[#out + 1] = {id, d, lease, stepped or '0', body}
+    live_set(f.id, lease .. ' ' .. eid .. ' ' .. NOW .. ' ' .. d .. ' ' .. ARGV[3])
+    out[#out + 1] = {f.id, d, lease, f.stepped or '0', f.body}
   else
     ACKS[#ACKS + 1] = eid
   end
@@ -348,21 +378,32 @@ return false
 const CLEAR_FLOW: &str = r#"
 local flow = ARGV[3]
 local n = 0
-local function clear(id, want)
-  local st, f = unpack(redis.call('HMGET', ik(id), 'st', 'flow'))
-  if st == want and f == flow then
-    finish(id, 'cleared with its flow')
+local why = 'cleared with its flow'
+for _, id in ipairs(redis.call('LRANGE', P .. 'parked:' .. flow, 0, -1)) do
+  if redis.call('HGET', ik(id), 'st') == 'parked' then
+    finish(id, why)
     n = n + 1
   end
 end
-for _, id in ipairs(redis.call('LRANGE', P .. 'parked:' .. flow, 0, -1)) do clear(id, 'parked') end
-for _, id in ipairs(redis.call('ZRANGE', P .. 'delayed', 0, -1)) do clear(id, 'delayed') end
-for _, e in ipairs(redis.call('XRANGE', STREAM, '-', '+')) do clear(e[2][2], 'waiting') end
+for _, id in ipairs(redis.call('ZRANGE', P .. 'delayed', 0, -1)) do
+  local st, f = unpack(redis.call('HMGET', ik(id), 'st', 'flow'))
+  if st == 'delayed' and f == flow then
+    finish(id, why)
+    n = n + 1
+  end
+end
+for _, e in ipairs(redis.call('XRANGE', STREAM, '-', '+')) do
+  local f = e[2]
+  if f[4] == flow and live_get(f[2]) == '- ' .. e[1] then
+    finish(f[2], why)
+    n = n + 1
+  end
+end
 return n
 "#;
 
 const CANCEL: &str = r#"
-local st = redis.call('HGET', ik(ARGV[3]), 'st')
+local st = locate(ARGV[3])
 if not st then return 'missing' end
 if st == 'waiting' or st == 'delayed' or st == 'parked' then
   finish(ARGV[3], 'cancelled by hand')
@@ -372,7 +413,7 @@ return st
 "#;
 
 const DISCARD: &str = r#"
-local st = redis.call('HGET', ik(ARGV[3]), 'st')
+local st = locate(ARGV[3])
 if not st then return 'missing' end
 if st ~= 'dead' then return st end
 finish(ARGV[3], 'discarded by hand')
@@ -380,13 +421,35 @@ return 'ok'
 "#;
 
 const REPLAY: &str = r#"
-local st = redis.call('HGET', ik(ARGV[3]), 'st')
+local st = locate(ARGV[3])
 if not st then return 'missing' end
 if st ~= 'dead' then return st end
 local it = cjson.decode(ARGV[4])
 finish(ARGV[3], 'replayed as ' .. it.id)
 insert(it)
 return 'ok'
+"#;
+
+/// One item's record as field/value pairs, wherever its state keeps it (a finished one's
+/// as `json` and its JSON); nothing when there is none.
+const GET: &str = r#"
+local id = ARGV[3]
+local st, at = locate(id)
+if not st then return {} end
+if st == 'finished' then return {'json', out_get(id)} end
+if st ~= 'waiting' and st ~= 'in_flight' then return redis.call('HGETALL', ik(id)) end
+local f = entry_fields(at.entry) or {}
+local r = {'st', st, 'body', f.body or '', 'flow', f.flow or '', 'enq', f.enq or '0'}
+local function put(k, v) r[#r + 1] = k; r[#r + 1] = v end
+if st == 'waiting' then
+  put('deliveries', f.d or '0')
+else
+  put('deliveries', at.d)
+  put('consumer', at.consumer)
+  put('since', at.since)
+  put('lease', at.lease)
+end
+return r
 "#;
 
 const STATS: &str = r#"
@@ -399,7 +462,12 @@ for _, f in ipairs(redis.call('SMEMBERS', P .. 'parked_flows')) do
 end
 local first = redis.call('XRANGE', STREAM, '-', '+', 'COUNT', 1)[1]
 local enq = ''
-if first then enq = redis.call('HGET', ik(first[2][2]), 'enq') or '' end
+if first then
+  local f = first[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'enq' then enq = f[i + 1] end
+  end
+end
 return {redis.call('XLEN', STREAM) - pend, pend, redis.call('ZCARD', P .. 'delayed'), parked,
   redis.call('XLEN', DEAD), enq, tonumber(redis.call('GET', P .. 'dead_evicted') or '0')}
 "#;
@@ -424,6 +492,7 @@ struct Scripts {
     discard: Script,
     replay: Script,
     stats: Script,
+    get: Script,
 }
 
 impl Scripts {
@@ -456,6 +525,7 @@ impl Scripts {
             discard: s(DISCARD),
             replay: s(REPLAY),
             stats: s(STATS),
+            get: s(GET),
         }
     }
 }
@@ -518,8 +588,9 @@ fn corrupt(e: impl std::fmt::Display) -> QueueError {
     QueueError::Corrupt(e.to_string())
 }
 
-/// One commit's script arguments (id, lease, flow, end, reason, effects) and who waits for its word.
-type GroupedCommit = ([String; 6], oneshot::Sender<Result<String, QueueError>>);
+/// One commit's script arguments (id, lease, flow, end, reason, effects, finished record)
+/// and who waits for its word.
+type GroupedCommit = ([String; 7], oneshot::Sender<Result<String, QueueError>>);
 
 /// Commits waiting for their shard's next group call.
 #[derive(Default)]
@@ -716,9 +787,39 @@ impl RedisQueue {
             next_shard: Default::default(),
             _keep: None,
         };
+        q.check_layout().await?;
         q.check_shards().await?;
         q.check_persistence(url).await;
         Ok(q)
+    }
+
+    /// The first engine on a namespace records the layout of its keys; a namespace that an
+    /// engine of another layout wrote (an earlier weir) is refused, since this one would
+    /// not find its items.
+    async fn check_layout(&self) -> Result<(), QueueError> {
+        let ns = &self.opts.namespace;
+        let k = keys::meta(ns, "layout");
+        let mut c = self.conn.clone();
+        let io = |e: redis::RedisError| QueueError::Open(format!("cannot use Redis ({k}): {e}"));
+        let have: Option<u32> = c.get(&k).await.map_err(io)?;
+        let have = match have {
+            Some(v) => v,
+            // No layout recorded, but shards are: written before layouts were recorded.
+            None if c.exists(keys::meta(ns, "shards")).await.map_err(io)? => 1,
+            None => {
+                let _: bool = c.set_nx(&k, LAYOUT).await.map_err(io)?;
+                c.get(&k).await.map_err(io)?
+            }
+        };
+        if have != LAYOUT {
+            return Err(QueueError::Open(format!(
+                "the queue in namespace `{ns}` was written by a weir that keeps its items \
+                 another way (layout {have}; this one uses layout {LAYOUT}): drain it with \
+                 that weir (nothing waiting, in flight, delayed, parked or dead), or start \
+                 this one with another namespace (ns=…)"
+            )));
+        }
+        Ok(())
     }
 
     /// The first engine on a namespace records its number of shards; an engine configured
@@ -823,7 +924,7 @@ impl RedisQueue {
     /// Commit through shard `p`'s group: commits that arrive while the shard's calls are on
     /// their way (at most `COMMIT_CALLS`) go together in the next (one script, one fsync on
     /// the server), with no timer.
-    async fn commit_grouped(&self, p: &str, args: [String; 6]) -> Result<String, QueueError> {
+    async fn commit_grouped(&self, p: &str, args: [String; 7]) -> Result<String, QueueError> {
         let (tx, rx) = oneshot::channel();
         let lead = {
             let mut groups = self.commits.lock().unwrap_or_else(|e| e.into_inner());
@@ -849,10 +950,26 @@ impl RedisQueue {
     }
 
     async fn record(&self, p: &str, id: &str) -> Result<Option<ItemView>, QueueError> {
-        let mut c = self.conn.clone();
-        let h: HashMap<String, String> = c.hgetall(keys::item(p, id)).await.map_err(unavailable)?;
-        if h.is_empty() {
+        let pairs: Vec<String> = self.run(&self.scripts.get, p, &[&id]).await?;
+        if pairs.is_empty() {
             return Ok(None);
+        }
+        let mut h: HashMap<String, String> = HashMap::with_capacity(pairs.len() / 2);
+        let mut it = pairs.into_iter();
+        while let (Some(k), Some(v)) = (it.next(), it.next()) {
+            h.insert(k, v);
+        }
+        if let Some(json) = h.remove("json") {
+            // A finished record: JSON whose values are text, as a hash's would be.
+            let fields: HashMap<String, serde_json::Value> =
+                serde_json::from_str(&json).map_err(corrupt)?;
+            h = fields
+                .into_iter()
+                .map(|(k, v)| match v {
+                    serde_json::Value::String(s) => (k, s),
+                    other => (k, other.to_string()),
+                })
+                .collect();
         }
         view(id, &h).map(Some)
     }
@@ -1312,6 +1429,22 @@ impl WorkQueue for RedisQueue {
             });
             serde_json::to_string(&fx).map_err(corrupt)?
         };
+        // An acknowledged item's finished record is written as the client made it: the
+        // script only checks the claim, with no per-item work of its own.
+        let record = if kind == "ack" {
+            serde_json::json!({
+                "st": "finished",
+                "reason": reason,
+                "at": now_ms().to_string(),
+                "flow": item.flow,
+                "deliveries": item.deliveries.to_string(),
+                "enq": item.enqueued_at.to_string(),
+                "body": serde_json::to_string(item).map_err(corrupt)?,
+            })
+            .to_string()
+        } else {
+            String::new()
+        };
         let r = self
             .commit_grouped(
                 &p,
@@ -1322,6 +1455,7 @@ impl WorkQueue for RedisQueue {
                     kind.to_string(),
                     reason,
                     effects,
+                    record,
                 ],
             )
             .await?;

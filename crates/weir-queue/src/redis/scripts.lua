@@ -4,30 +4,94 @@
 -- Redis runs a script alone but does not roll one back when it fails halfway, so every
 -- script checks everything first and writes after, with nothing left that can fail.
 --
+-- Where an item's record is, by state:
+-- - waiting or in flight: its stream entry (fields id, flow, d, enq, body, and stepped when
+--   a step made it ready; `d` is the deliveries it had when the entry was made), and its
+--   line in the `live` hash: `- ENTRY` while it waits, `LEASE ENTRY SINCE DELIVERIES
+--   CONSUMER` once claimed. A claim and an acknowledgement touch no key of the item's own.
+-- - delayed, parked or dead: a hash `item:ID` (body, flow, deliveries, enq, st, …).
+-- - finished: one field of the `out` hash, the record as JSON (st, reason, at, flow,
+--   deliveries, enq, body), the newest FINISHED_KEPT of them.
+--
 -- Each script's body runs as `main()`, then `flush()`: work that many items of one call
--- share (acknowledging and deleting stream entries, indexing new ids, recording finished
--- ones) is gathered while the body runs and done in one command each at the end, as the
--- bare pipelined loop the benchmarks compare against does. Nothing between the two reads
--- what `flush` writes.
+-- share (acknowledging and deleting stream entries, writing `live` and `out`, indexing new
+-- ids, recording finished ones) is gathered while the body runs and done in one command
+-- each at the end, as the bare pipelined loop the benchmarks compare against does. What the
+-- body reads of `live` and `out` goes through the gathered writes first (`live_get`,
+-- `out_get`), so it sees its own.
 local P = ARGV[1]
 local NOW = ARGV[2]
 local NOWN = tonumber(NOW)
 local G = 'weir'
 local STREAM = P .. 'stream'
 local DEAD = P .. 'dead'
+local LIVE = P .. 'live'
+local OUT = P .. 'out'
 local KEEP = __FINISHED_KEPT__
 local DEADCAP = __DEAD_CAP__
 -- Finished records past KEEP are dropped this many at a time, not one per finish.
 local TRIM = 256
 
 -- Gathered for flush(): stream entries to acknowledge and delete, ids new to the index,
--- ids that finished, keys to delete (done markers of ended items).
-local ACKS, INDEXED, FINISHED, GONE = {}, {}, {}, {}
+-- ids that finished, keys to delete (done markers of ended items), `live` lines to write
+-- (false: to delete) and `out` records to write.
+local ACKS, INDEXED, FINISHED, GONE, LIVES, OUTS = {}, {}, {}, {}, {}, {}
+-- Ids this call indexed (for `known`, before the index has them).
+local NEW = {}
 
 local function ik(id) return P .. 'item:' .. id end
 
-local function xadd(id)
-  return redis.call('XADD', STREAM, '*', 'id', id)
+-- `cmd key ...list` in chunks of at most 1000 arguments (unpack's limits).
+local function each_chunk(list, f)
+  for i = 1, #list, 1000 do
+    f(unpack(list, i, math.min(i + 999, #list)))
+  end
+end
+
+-- `live` lines read ahead for a batch (`live_read`); the writes gathered in LIVES come first.
+local READ = {}
+
+local function live_get(id)
+  local v = LIVES[id]
+  if v ~= nil then return v end
+  v = READ[id]
+  if v ~= nil then return v end
+  return redis.call('HGET', LIVE, id)
+end
+
+-- Read the `live` lines of `ids` ahead, in one command per thousand.
+local function live_read(ids)
+  for i = 1, #ids, 1000 do
+    local last = math.min(i + 999, #ids)
+    local got = redis.call('HMGET', LIVE, unpack(ids, i, last))
+    for j = i, last do READ[ids[j]] = got[j - i + 1] end
+  end
+end
+
+local function live_set(id, v) LIVES[id] = v end
+
+local function out_get(id)
+  local v = OUTS[id]
+  if v == nil then return redis.call('HGET', OUT, id) end
+  return v
+end
+
+-- A `live` line as its parts: the lease ('-' while waiting), the entry, and once claimed
+-- since when, the deliveries counted and the consumer.
+local function parse_live(v)
+  local lease, entry, rest = string.match(v, '^(%S+) (%S+) ?(.*)$')
+  if lease == '-' then return lease, entry end
+  local since, d, consumer = string.match(rest, '^(%S+) (%S+) (.*)$')
+  return lease, entry, since, d, consumer
+end
+
+-- A stream entry's fields as a table (nil when the entry is gone).
+local function entry_fields(eid)
+  local r = redis.call('XRANGE', STREAM, eid, eid)[1]
+  if not r then return nil end
+  local f = {}
+  for i = 1, #r[2], 2 do f[r[2][i]] = r[2][i + 1] end
+  return f
 end
 
 -- Items claimed and not yet acknowledged (0 before the first claim made the group).
@@ -41,11 +105,18 @@ local function ready_count()
   return redis.call('XLEN', STREAM) - pending()
 end
 
--- `cmd key ...list` in chunks of at most 1000 arguments (unpack's limits).
-local function each_chunk(list, f)
-  for i = 1, #list, 1000 do
-    f(unpack(list, i, math.min(i + 999, #list)))
+-- The ids of `ids` that have a record, as a set. Every record's id is in the index (added
+-- in the script that writes the record, taken out with it), so one read answers for a batch.
+local function known(ids)
+  local out = {}
+  for i = 1, #ids, 1000 do
+    local last = math.min(i + 999, #ids)
+    local scores = redis.call('ZMSCORE', P .. 'index', unpack(ids, i, last))
+    for j = i, last do
+      if scores[j - i + 1] or NEW[ids[j]] then out[ids[j]] = true end
+    end
   end
+  return out
 end
 
 local function flush()
@@ -55,6 +126,23 @@ local function flush()
     redis.pcall('XACK', STREAM, G, ...)
     redis.call('XDEL', STREAM, ...)
   end)
+  local set, del = {}, {}
+  for id, v in pairs(LIVES) do
+    if v then
+      set[#set + 1] = id
+      set[#set + 1] = v
+    else
+      del[#del + 1] = id
+    end
+  end
+  each_chunk(set, function(...) redis.call('HSET', LIVE, ...) end)
+  each_chunk(del, function(...) redis.call('HDEL', LIVE, ...) end)
+  local outs = {}
+  for id, v in pairs(OUTS) do
+    outs[#outs + 1] = id
+    outs[#outs + 1] = v
+  end
+  each_chunk(outs, function(...) redis.call('HSET', OUT, ...) end)
   local scored = {}
   for _, id in ipairs(INDEXED) do
     scored[#scored + 1] = 0
@@ -63,78 +151,120 @@ local function flush()
   each_chunk(scored, function(...) redis.call('ZADD', P .. 'index', ...) end)
   each_chunk(GONE, function(...) redis.call('DEL', ...) end)
   -- The newest KEEP finished records stay for the operator; older ones go. Finished is
-  -- the one state no script leaves, and an id is listed once, when it finishes: every id
-  -- taken off the list is a finished record (or one an operator's prune deleted already),
-  -- so the records go in one DEL, unread.
+  -- the one state no script leaves, and an id is listed once, when it finishes.
   local n = 0
   each_chunk(FINISHED, function(...) n = redis.call('RPUSH', P .. 'finished', ...) end)
   if n > KEEP + TRIM then
     local old = redis.call('LPOP', P .. 'finished', math.min(n - KEEP, 4 * TRIM))
-    local keys = {}
-    for i, id in ipairs(old) do keys[i] = ik(id) end
-    each_chunk(keys, function(...) redis.call('DEL', ...) end)
-    each_chunk(old, function(...) redis.call('ZREM', P .. 'index', ...) end)
+    each_chunk(old, function(...)
+      redis.call('HDEL', OUT, ...)
+      redis.call('ZREM', P .. 'index', ...)
+    end)
   end
-  ACKS, INDEXED, FINISHED, GONE = {}, {}, {}, {}
+  ACKS, INDEXED, FINISHED, GONE, LIVES, OUTS, NEW, READ = {}, {}, {}, {}, {}, {}, {}, {}
 end
 
--- Take an item's entry out of the ready stream (acknowledged and deleted at flush).
-local function unstream(k)
-  local e = redis.call('HGET', k, 'entry')
-  if e then
-    ACKS[#ACKS + 1] = e
-    redis.call('HDEL', k, 'entry')
+-- Make an item ready: a new stream entry holding its record, and its `live` line.
+local function enstream(id, flow, d, enq, body, stepped)
+  local eid
+  if stepped then
+    eid = redis.call('XADD', STREAM, '*', 'id', id, 'flow', flow, 'd', d, 'enq', enq,
+      'body', body, 'stepped', '1')
+  else
+    eid = redis.call('XADD', STREAM, '*', 'id', id, 'flow', flow, 'd', d, 'enq', enq,
+      'body', body)
   end
+  live_set(id, '- ' .. eid)
+end
+
+-- Where an item is: its state and, for one in the stream, its `live` line's parts.
+local function locate(id)
+  local v = live_get(id)
+  if v then
+    local lease, entry, since, d, consumer = parse_live(v)
+    local st = 'in_flight'
+    if lease == '-' then st = 'waiting' end
+    return st, {lease = lease, entry = entry, since = since, d = d, consumer = consumer}
+  end
+  local st = redis.call('HGET', ik(id), 'st')
+  if st then return st end
+  if out_get(id) then return 'finished' end
+  return nil
+end
+
+-- Take an item out of the stream (waiting or in flight) into a hash of its own, for a
+-- state kept there; returns the hash's key, or nil if the item is not in the stream.
+local function unstream(id)
+  local st, at = locate(id)
+  if st ~= 'waiting' and st ~= 'in_flight' then return nil end
+  local f = entry_fields(at.entry) or {}
+  local d = f.d or '0'
+  if st == 'in_flight' then d = at.d end
+  local k = ik(id)
+  redis.call('HSET', k, 'body', f.body or '', 'flow', f.flow or '', 'deliveries', d,
+    'lease', 0, 'enq', f.enq or '0')
+  ACKS[#ACKS + 1] = at.entry
+  live_set(id, false)
+  return k
 end
 
 -- A new item: ready now (an entry in the stream) or delayed (in the sorted set). An id
--- seen before is the same item added again (a retried add): the first is kept.
-local function insert(it)
-  local k = ik(it.id)
-  if redis.call('HSETNX', k, 'body', it.body) == 0 then return 0 end
+-- seen before is the same item added again (a retried add): the first is kept. `fresh`
+-- says the caller knows the id has no record (see `known`).
+local function insert(it, fresh)
+  if not fresh and known({it.id})[it.id] then return 0 end
   INDEXED[#INDEXED + 1] = it.id
+  NEW[it.id] = true
   if it.due ~= '' and tonumber(it.due) > NOWN then
-    redis.call('HSET', k, 'flow', it.flow, 'deliveries', it.deliveries, 'lease', 0,
-      'enq', it.enq, 'st', 'delayed', 'due', it.due)
+    redis.call('HSET', ik(it.id), 'body', it.body, 'flow', it.flow, 'deliveries',
+      it.deliveries, 'lease', 0, 'enq', it.enq, 'st', 'delayed', 'due', it.due)
     redis.call('ZADD', P .. 'delayed', it.due, it.id)
   else
-    redis.call('HSET', k, 'flow', it.flow, 'deliveries', it.deliveries, 'lease', 0,
-      'enq', it.enq, 'st', 'waiting', 'entry', xadd(it.id))
+    enstream(it.id, it.flow, it.deliveries, it.enq, it.body, false)
   end
   return 1
 end
 
--- End an item for good, taking it out of whatever holds it. `known` is the record's
--- {st, flow, dentry, entry} when the caller has just read them.
-local function finish(id, outcome, known)
-  local k = ik(id)
-  local st, flow, dentry, e
-  if known then
-    st, flow, dentry, e = known[1], known[2], known[3], known[4]
+-- The finished record, as JSON (values as text, as a hash would hold them).
+local function finished_record(reason, flow, d, enq, body)
+  return cjson.encode({st = 'finished', reason = reason, at = NOW, flow = flow,
+    deliveries = tostring(d), enq = tostring(enq), body = body})
+end
+
+-- End an item for good, taking it out of whatever holds it.
+local function finish(id, outcome)
+  local st, at = locate(id)
+  if not st or st == 'finished' then return end
+  local rec
+  if st == 'waiting' or st == 'in_flight' then
+    local f = entry_fields(at.entry) or {}
+    local d = f.d or '0'
+    if st == 'in_flight' then d = at.d end
+    rec = finished_record(outcome, f.flow or '', d, f.enq or '0', f.body or '')
+    ACKS[#ACKS + 1] = at.entry
+    live_set(id, false)
   else
-    st, flow, dentry, e = unpack(redis.call('HMGET', k, 'st', 'flow', 'dentry', 'entry'))
+    local k = ik(id)
+    local flow, dentry, d, enq, body =
+      unpack(redis.call('HMGET', k, 'flow', 'dentry', 'deliveries', 'enq', 'body'))
+    if st == 'delayed' then redis.call('ZREM', P .. 'delayed', id) end
+    if st == 'parked' then redis.call('LREM', P .. 'parked:' .. flow, 0, id) end
+    if st == 'dead' and dentry then redis.call('XDEL', DEAD, dentry) end
+    rec = finished_record(outcome, flow or '', d or '0', enq or '0', body or '')
+    redis.call('DEL', k)
   end
-  if st == 'delayed' then
-    redis.call('ZREM', P .. 'delayed', id)
-    redis.call('HDEL', k, 'due')
-  end
-  if st == 'parked' then redis.call('LREM', P .. 'parked:' .. flow, 0, id) end
-  if st == 'dead' and dentry then redis.call('XDEL', DEAD, dentry) end
-  if e then ACKS[#ACKS + 1] = e end
-  -- What the record held for its last state (consumer, since, entry…) stays: nothing reads
-  -- it once the state is finished, and a call per item fewer is what the commit costs.
-  redis.call('HSET', k, 'st', 'finished', 'reason', outcome, 'at', NOW)
+  OUTS[id] = rec
   FINISHED[#FINISHED + 1] = id
 end
 
--- Set an item aside with its reason. Past the cap the oldest dead letter is evicted: counted,
--- and its record says so; never silent.
+-- Set an item aside with its reason (its record is a hash by now, or the item is in the
+-- stream). Past the cap the oldest dead letter is evicted: counted, and its record says
+-- so; never silent.
 local function bury(id, reason)
-  local k = ik(id)
-  unstream(k)
+  local k = unstream(id) or ik(id)
   local d = redis.call('XADD', DEAD, '*', 'id', id, 'reason', reason)
   redis.call('HSET', k, 'st', 'dead', 'reason', reason, 'at', NOW, 'dentry', d)
-  redis.call('HDEL', k, 'consumer', 'since', 'stepped', 'due')
+  redis.call('HDEL', k, 'due')
   if redis.call('XLEN', DEAD) > DEADCAP then
     local oldest = redis.call('XRANGE', DEAD, '-', '+', 'COUNT', 1)[1]
     local oid = oldest[2][2]
@@ -145,35 +275,34 @@ local function bury(id, reason)
 end
 
 local function insert_dead(it, reason)
-  local k = ik(it.id)
-  if redis.call('HSETNX', k, 'body', it.body) == 0 then return end
+  if known({it.id})[it.id] then return end
   INDEXED[#INDEXED + 1] = it.id
-  redis.call('HSET', k, 'flow', it.flow, 'deliveries', it.deliveries, 'lease', 0, 'enq', it.enq)
+  NEW[it.id] = true
+  redis.call('HSET', ik(it.id), 'body', it.body, 'flow', it.flow, 'deliveries', it.deliveries,
+    'lease', 0, 'enq', it.enq)
   bury(it.id, reason)
 end
 
+-- A delayed or parked item (a hash) made ready: its record moves into a stream entry.
 local function make_ready(id, stepped)
   local k = ik(id)
-  if stepped then
-    redis.call('HSET', k, 'st', 'waiting', 'entry', xadd(id), 'stepped', '1')
-  else
-    redis.call('HSET', k, 'st', 'waiting', 'entry', xadd(id))
-  end
-  redis.call('HDEL', k, 'due', 'consumer', 'since')
+  local body, flow, d, enq = unpack(redis.call('HMGET', k, 'body', 'flow', 'deliveries', 'enq'))
+  enstream(id, flow or '', d or '0', enq or '0', body or '', stepped)
+  redis.call('DEL', k)
 end
 
 -- An in-flight item whose pending entry `eid` is being taken from its consumer: ready
--- again (a new entry) if that entry is still its own; returns 1 if so, else 0.
-local function requeue(id, eid)
-  local st, entry = unpack(redis.call('HMGET', ik(id), 'st', 'entry'))
-  if st == 'in_flight' and entry == eid then
-    make_ready(id, false)
-    return 1
-  end
-  return 0
+-- again (a new entry, the deliveries so far carried) if that entry is still its own;
+-- returns 1 if so, else 0. `f` is the entry's fields when the caller has them.
+local function requeue(id, eid, f)
+  local st, at = locate(id)
+  if st ~= 'in_flight' or at.entry ~= eid then return 0 end
+  f = f or entry_fields(eid) or {}
+  enstream(id, f.flow or '', at.d, f.enq or '0', f.body or '', false)
+  return 1
 end
 
--- Make ready those of `ids` still in state `st`; returns how many.
+-- Make ready those of `ids` still in state `st` (a hash's); returns how many.
 local function ready_those(ids, st)
   local n = 0
   for _, id in ipairs(ids) do
