@@ -409,10 +409,18 @@ pub async fn cancel_by_hand(q: Q, _fp: Failpoints) {
     q.add(vec![a, b]).await.unwrap();
     q.cancel(ia).await.unwrap();
     q.cancel(ib).await.unwrap();
-    assert!(matches!(
-        q.get(ia).await.unwrap().unwrap().state,
-        ItemState::Finished { ref outcome, .. } if outcome == "cancelled by hand"
-    ));
+    for (id, n) in [(ia, 1), (ib, 2)] {
+        let v = q.get(id).await.unwrap().unwrap();
+        assert!(matches!(
+            v.state,
+            ItemState::Finished { ref outcome, .. } if outcome == "cancelled by hand"
+        ));
+        assert_eq!(
+            payload(&v.item),
+            n,
+            "a cancelled item still shows what it carried"
+        );
+    }
     let s = q.stats().await.unwrap();
     assert_eq!((s.ready, s.delayed), (0, 0));
     q.add(vec![c]).await.unwrap();
@@ -613,6 +621,15 @@ pub async fn items_come_back_as_they_were_added(q: Q, _fp: Failpoints) {
     };
     assert_eq!(c[0].item, want, "claimed as added, one delivery counted");
     assert_eq!(q.get(it.id).await.unwrap().unwrap().item, want);
+    // Finished, it is still shown as it was.
+    let r = q
+        .commit(&c[0], WaveEffects::ending(End::Ack))
+        .await
+        .unwrap();
+    assert_eq!(r, Committed::Done);
+    let done = q.get(it.id).await.unwrap().unwrap();
+    assert!(matches!(done.state, ItemState::Finished { .. }), "{done:?}");
+    assert_eq!(done.item, want, "a finished item keeps what it carried");
     // A delayed one shows when it is due.
     let mut later = unusual_item("f");
     later.not_before = Some(now_ms() + 60_000);

@@ -77,10 +77,18 @@ for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 6 * i] end
 local seen = known(ids)
 for i = 0, n - 1 do
   local a = 4 + 6 * i
-  if not seen[ARGV[a]] then
-    seen[ARGV[a]] = true
-    insert({id = ARGV[a], flow = ARGV[a + 1], deliveries = ARGV[a + 2], enq = ARGV[a + 3],
-      due = ARGV[a + 4], body = ARGV[a + 5]}, true)
+  local id, due = ARGV[a], ARGV[a + 4]
+  if not seen[id] then
+    seen[id] = true
+    if due == '' or tonumber(due) <= NOWN then
+      -- Ready now (most are): straight into the stream.
+      INDEXED[#INDEXED + 1] = id
+      NEW[id] = true
+      enstream(id, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 5], false)
+    else
+      insert({id = id, flow = ARGV[a + 1], deliveries = ARGV[a + 2], enq = ARGV[a + 3],
+        due = due, body = ARGV[a + 5]}, true)
+    end
   end
 end
 return {'ok', 0}
@@ -303,7 +311,9 @@ for _ = 1, limit do
   local id = redis.call('LINDEX', P .. 'finished', 0)
   if not id then break end
   local rec = redis.call('HGET', OUT, id)
-  if rec and tonumber(cjson.decode(rec).at or '0') >= before then break end
+  if rec and tonumber(cjson.decode(string.match(rec, '^[^\n]*')).at or '0') >= before then
+    break
+  end
   redis.call('LPOP', P .. 'finished')
   if rec then
     redis.call('HDEL', OUT, id)
@@ -431,7 +441,7 @@ return 'ok'
 "#;
 
 /// One item's record as field/value pairs, wherever its state keeps it (a finished one's
-/// as `json` and its JSON); nothing when there is none.
+/// as `json` and its record, see `finished_record`); nothing when there is none.
 const GET: &str = r#"
 local id = ARGV[3]
 local st, at = locate(id)
@@ -959,10 +969,12 @@ impl RedisQueue {
         while let (Some(k), Some(v)) = (it.next(), it.next()) {
             h.insert(k, v);
         }
-        if let Some(json) = h.remove("json") {
-            // A finished record: JSON whose values are text, as a hash's would be.
+        if let Some(rec) = h.remove("json") {
+            // A finished record: a line of JSON whose values are text (as a hash's would
+            // be), a newline, the body.
+            let (line, body) = rec.split_once('\n').unwrap_or((&rec, ""));
             let fields: HashMap<String, serde_json::Value> =
-                serde_json::from_str(&json).map_err(corrupt)?;
+                serde_json::from_str(line).map_err(corrupt)?;
             h = fields
                 .into_iter()
                 .map(|(k, v)| match v {
@@ -970,6 +982,7 @@ impl RedisQueue {
                     other => (k, other.to_string()),
                 })
                 .collect();
+            h.insert("body".into(), body.to_string());
         }
         view(id, &h).map(Some)
     }
@@ -1429,19 +1442,22 @@ impl WorkQueue for RedisQueue {
             });
             serde_json::to_string(&fx).map_err(corrupt)?
         };
-        // An acknowledged item's finished record is written as the client made it: the
-        // script only checks the claim, with no per-item work of its own.
+        // An acknowledged item's finished record is written as the client made it (its
+        // fields as one line of JSON, a newline, the body): the script only checks the
+        // claim, with no per-item work of its own.
         let record = if kind == "ack" {
-            serde_json::json!({
+            let fields = serde_json::json!({
                 "st": "finished",
                 "reason": reason,
                 "at": now_ms().to_string(),
                 "flow": item.flow,
                 "deliveries": item.deliveries.to_string(),
                 "enq": item.enqueued_at.to_string(),
-                "body": serde_json::to_string(item).map_err(corrupt)?,
-            })
-            .to_string()
+            });
+            format!(
+                "{fields}\n{}",
+                serde_json::to_string(item).map_err(corrupt)?
+            )
         } else {
             String::new()
         };

@@ -10,8 +10,8 @@
 --   line in the `live` hash: `- ENTRY` while it waits, `LEASE ENTRY SINCE DELIVERIES
 --   CONSUMER` once claimed. A claim and an acknowledgement touch no key of the item's own.
 -- - delayed, parked or dead: a hash `item:ID` (body, flow, deliveries, enq, st, …).
--- - finished: one field of the `out` hash, the record as JSON (st, reason, at, flow,
---   deliveries, enq, body), the newest FINISHED_KEPT of them.
+-- - finished: one field of the `out` hash (see `finished_record`), the newest FINISHED_KEPT
+--   of them.
 --
 -- Each script's body runs as `main()`, then `flush()`: work that many items of one call
 -- share (acknowledging and deleting stream entries, writing `live` and `out`, indexing new
@@ -225,10 +225,11 @@ local function insert(it, fresh)
   return 1
 end
 
--- The finished record, as JSON (values as text, as a hash would hold them).
+-- The finished record: its fields as one line of JSON (values as text, as a hash would
+-- hold them), a newline, then the body as it is.
 local function finished_record(reason, flow, d, enq, body)
   return cjson.encode({st = 'finished', reason = reason, at = NOW, flow = flow,
-    deliveries = tostring(d), enq = tostring(enq), body = body})
+    deliveries = tostring(d), enq = tostring(enq)}) .. '\n' .. body
 end
 
 -- End an item for good, taking it out of whatever holds it.
