@@ -37,7 +37,8 @@ pub fn live(p: &str) -> String {
     format!("{p}live")
 }
 
-/// Finished items' records by id, as JSON (a hash; the newest are kept).
+/// Finished items' records by id: a line of JSON fields, a newline, the body (a hash; the
+/// newest are kept).
 pub fn out(p: &str) -> String {
     format!("{p}out")
 }

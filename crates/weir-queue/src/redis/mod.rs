@@ -11,7 +11,7 @@
 //!   from an engine whose lease is gone is refused. A claim and an acknowledgement therefore
 //!   touch no key of the item's own: every write they make is one command for the whole
 //!   batch. Delayed, parked and dead items have a hash each; a finished item leaves its
-//!   record (outcome, body) as JSON in the hash `out`, the newest 10,000 per shard kept.
+//!   record (outcome, when, body) in the hash `out`, the newest 10,000 per shard kept.
 //! - Delayed items wait in a sorted set; promotion is one script (remove, append, mark), so
 //!   a crash can neither lose nor duplicate one. Parked items are a list per flow, unparked
 //!   by one script. Dead letters are a capped stream; an eviction is counted and recorded.
@@ -156,9 +156,9 @@ return out
 
 /// Several waves' commits in one call (group commit): ARGV[3] is how many, then seven
 /// arguments each (id, lease, flow, how it ends, the reason, the rest of its effects as
-/// JSON or nothing when it has none, and for an `ack` its finished record as JSON). Each is
-/// checked and applied on its own, as if alone; the answer is one word per commit: done,
-/// conflict or failed (a failpoint).
+/// JSON or nothing when it has none, and for an `ack` its finished record, as
+/// `finished_record` in scripts.lua makes one). Each is checked and applied on its own, as if
+/// alone; the answer is one word per commit: done, conflict or failed (a failpoint).
 const COMMIT: &str = r#"
 local function commit(id, lease, flow, kind, reason, effects, rec)
   -- The item must still be in flight on this very claim: its `live` line starts with the
