@@ -304,7 +304,8 @@ nodes:
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let stream = "{weir:0}:stream";
+    let stream = weir_queue::redis::keys::stream(&weir_queue::redis::keys::prefix("weir", 0));
+    let stream = stream.as_str();
     let consumers = |c: &mut redis::aio::MultiplexedConnection| {
         let mut c = c.clone();
         async move {

@@ -20,9 +20,12 @@ pub fn prefix(ns: &str, k: u32) -> String {
     format!("{{{ns}:{k}}}:")
 }
 
-/// Ready items: a stream read through the consumer group `weir`.
+/// Ready and in-flight items: a stream read through the consumer group `weir`. Its name
+/// changed with the layout of 2026-12-04 (it was `stream`), so that an earlier weir started
+/// on a namespace this one wrote finds nothing to claim, rather than taking the new entries
+/// for stale ones and deleting them.
 pub fn stream(p: &str) -> String {
-    format!("{p}stream")
+    format!("{p}ready")
 }
 
 /// The record of a delayed, parked or dead item (a hash: body, flow, st, deliveries, …). A
