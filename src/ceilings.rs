@@ -332,17 +332,10 @@ pub async fn redis_lean_scripts(url: &str, body: &str, batch: usize, rounds: u64
         }
         for e in &got {
             inv.arg(&e.1)
-                .arg(format!("finished {} {} ok", now_ms(), e.3));
+                .arg(format!("finished {} {} ok", weir_queue::now_ms(), e.3));
         }
         let r: String = inv.invoke_async(&mut c).await.unwrap();
         assert_eq!(r, "done", "no commit of the lean design conflicts");
     }
     (rounds * batch as u64) as f64 / t.elapsed().as_secs_f64()
-}
-
-fn now_ms() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis()
 }

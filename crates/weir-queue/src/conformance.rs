@@ -62,12 +62,23 @@ pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
     let it = item("f", 1);
     let id = it.id;
     q.add(vec![it]).await.unwrap();
-    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    let before = now_ms();
+    // A consumer name as an operator may give one (`--consumer`), spaces and all.
+    let c = q.claim("engine a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(c.len(), 1);
     assert_eq!(c[0].item.id, id);
     assert_eq!(c[0].item.deliveries, 1, "deliveries bumped at claim");
     assert!(!c[0].stepped);
-    assert_eq!(q.get(id).await.unwrap().unwrap().state.name(), "in_flight");
+    // What `weir queue show` prints of it: who holds it, since when, how many deliveries.
+    let v = q.get(id).await.unwrap().unwrap();
+    match v.state {
+        ItemState::InFlight { consumer, since } => {
+            assert_eq!(consumer, "engine a");
+            assert!((before..=now_ms()).contains(&since), "since {since}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(v.item.deliveries, 1);
     assert_eq!(
         q.commit(&c[0], WaveEffects::ending(End::Ack))
             .await

@@ -48,6 +48,16 @@ local function each_chunk(list, f)
   end
 end
 
+-- `cmd key ...ids` in chunks of at most 1000 ids, calling `f(id, answer)` for each id with
+-- its element of the answer (a read of many fields or members at once).
+local function each_answer(cmd, key, ids, f)
+  for i = 1, #ids, 1000 do
+    local last = math.min(i + 999, #ids)
+    local got = redis.call(cmd, key, unpack(ids, i, last))
+    for j = i, last do f(ids[j], got[j - i + 1]) end
+  end
+end
+
 -- `live` lines read ahead for a batch (`live_read`); the writes gathered in LIVES come first.
 local READ = {}
 
@@ -61,11 +71,7 @@ end
 
 -- Read the `live` lines of `ids` ahead, in one command per thousand.
 local function live_read(ids)
-  for i = 1, #ids, 1000 do
-    local last = math.min(i + 999, #ids)
-    local got = redis.call('HMGET', LIVE, unpack(ids, i, last))
-    for j = i, last do READ[ids[j]] = got[j - i + 1] end
-  end
+  each_answer('HMGET', LIVE, ids, function(id, v) READ[id] = v end)
 end
 
 local function live_set(id, v) LIVES[id] = v end
@@ -109,13 +115,9 @@ end
 -- in the script that writes the record, taken out with it), so one read answers for a batch.
 local function known(ids)
   local out = {}
-  for i = 1, #ids, 1000 do
-    local last = math.min(i + 999, #ids)
-    local scores = redis.call('ZMSCORE', P .. 'index', unpack(ids, i, last))
-    for j = i, last do
-      if scores[j - i + 1] or NEW[ids[j]] then out[ids[j]] = true end
-    end
-  end
+  each_answer('ZMSCORE', P .. 'index', ids, function(id, score)
+    if score or NEW[id] then out[id] = true end
+  end)
   return out
 end
 
