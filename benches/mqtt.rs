@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use weir::Failpoints;
-use weir_testkit::ceilings::cpu_time;
+use weir_testkit::ceilings::{cores, CpuUse};
 use weir_testkit::{start_with, Mosquitto, MqttPeer};
 
 /// Messages per run: a burst of `BURST` sent as fast as the client can, then `PACED` at
@@ -106,9 +106,11 @@ fn main() {
 
         let direct = MqttPeer::connect(broker.port, "bench-direct", Some("pass/#")).await;
         let broker_pid = broker.pid().expect("the bench's own broker");
-        let cpu0 = cpu_time(broker_pid);
+        // The broker, and this process: the bench's clients (and the engine, once started).
+        let watched = [broker_pid, std::process::id()];
+        let cpu0 = CpuUse::now(&watched);
         let pass_before = run(&device, &direct, "pass", base, BURST, None).await;
-        let broker_pass = cpu_time(broker_pid) - cpu0;
+        let cpu_pass = cpu0.since(&watched);
         let pass_paced = run(&device, &direct, "pass", base, PACED, Some(PACE)).await;
 
         let data = tempfile::tempdir().unwrap();
@@ -116,9 +118,9 @@ fn main() {
         let e = start_with(&queue, Some(&broker.url()), &[("bench.yaml", FLOW)], Failpoints::new()).await;
         let observer = MqttPeer::connect(broker.port, "bench-observer", Some("bench/out")).await;
         tokio::time::sleep(Duration::from_millis(500)).await; // the engine's subscription
-        let cpu0 = cpu_time(broker_pid);
+        let cpu0 = CpuUse::now(&watched);
         let weir = run(&device, &observer, "bench/in", base, BURST, None).await;
-        let broker_weir = cpu_time(broker_pid) - cpu0;
+        let cpu_weir = cpu0.since(&watched);
         let weir_paced = run(&device, &observer, "bench/in", base, PACED, Some(PACE)).await;
         e.shutdown().await;
         // The machine is shared and noisy: the ceiling is the better of two runs, one before
@@ -142,11 +144,34 @@ fn main() {
         line("  weir in → function → out", &weir);
         println!("  ratio (weir / pass-through): {:.2}", weir.rate / pass.rate);
         let per = |d: Duration| d.as_secs_f64() * 1e6 / BURST as f64;
+        let (broker_pass, broker_weir) = (per(cpu_pass.of[0]), per(cpu_weir.of[0]));
         println!(
-            "  broker CPU per message: {:.1} µs passing through, {:.1} µs for weir's in and out (two hops each way); the broker alone caps weir at {:.0} msg/s on one core",
-            per(broker_pass),
-            per(broker_weir),
-            1e6 / per(broker_weir).max(0.001)
+            "  broker CPU per message: {broker_pass:.1} µs passing through, {broker_weir:.1} µs for weir's in and out (two hops each way); the broker alone caps weir at {:.0} msg/s on one core",
+            1e6 / broker_weir.max(0.001)
+        );
+        // Where the machine's CPU goes. The clients (one publisher, one subscriber) do the
+        // same per message on either path, so their cost is read off the pass-through run,
+        // when nothing else runs in this process; on weir's path the rest of this
+        // process's time is the engine's.
+        let cores = cores();
+        let clients = per(cpu_pass.of[1]);
+        let engine = (per(cpu_weir.of[1]) - clients).max(0.0);
+        println!(
+            "  CPU per message: pass-through {:.1} µs (broker {broker_pass:.1}, clients {clients:.1}; {:.2} of {cores:.0} cores busy); weir's path {:.1} µs (broker {broker_weir:.1}, clients {clients:.1}, engine {engine:.1}; {:.2} of {cores:.0} cores busy)",
+            broker_pass + clients,
+            cpu_pass.cores_busy(cores),
+            broker_weir + clients + engine,
+            cpu_weir.cores_busy(cores),
+        );
+        // What the cores allow: at 0.9 of the pass-through, weir's path may cost at most
+        // cores / (0.9 × rate) per message; the broker's and the clients' part of it is fixed
+        // by the broker and the load, whatever the engine does.
+        let budget = cores * 1e6 / (0.9 * pass.rate);
+        let left = budget - broker_weir - clients;
+        println!(
+            "  the cores allow: at most {:.2} of pass-through with this engine, {:.2} with an engine that cost nothing; 0.9 leaves the engine {left:.1} µs a message (it used {engine:.1})",
+            cores * 1e6 / (broker_weir + clients + engine).max(0.001) / pass.rate,
+            cores * 1e6 / (broker_weir + clients).max(0.001) / pass.rate,
         );
         println!("{PACED} paced {PACE:?} apart (latency without a backlog):");
         line("  broker pass-through", &pass_paced);

@@ -25,7 +25,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
-use weir_testkit::ceilings::{cpu_time, fsyncs_per_second, rss_kib};
+use weir_testkit::ceilings::{cores, cpu_time, fsyncs_per_second, rss_kib, CpuUse};
 use weir_testkit::load::{self, accept_flow, bench_secs, LoadReport, LoadSpec};
 use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
 
@@ -99,6 +99,23 @@ async fn bare_echo(duration: Duration) -> LoadReport {
     let r = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     server.abort();
     r
+}
+
+/// Where the CPU of a load went (`used` watched the engine, then the load generator) over
+/// `n` requests, and what the machine's cores allow: the most requests a second that the
+/// engine and the generator together could make at that cost, and the CPU a request that
+/// `target` a second would leave the engine. An engine under its share that still misses
+/// the target is held by latency (each connection waits on its request), not by the cores.
+fn where_cpu_went(used: &CpuUse, n: u64, target: f64) -> String {
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+    let (engine, load) = (per(used.of[0]), per(used.of[1]));
+    let cores = cores();
+    format!(
+        "  CPU a request: engine {engine:.1} µs, load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs",
+        used.cores_busy(cores),
+        cores * 1e6 / (engine + load).max(0.001),
+        cores * 1e6 / target - load
+    )
 }
 
 /// Copy the example flows and write the bench's own beside them.
@@ -339,9 +356,13 @@ async fn bench() {
     let bare = bare_echo(duration).await;
     println!("bare axum echo (no journal): {}", line(&bare));
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
+    // The engine, and this process (the load generator).
+    let watched = [p.pid(), std::process::id()];
+    let cpu0 = CpuUse::now(&watched);
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     println!("weir echo, respond: wave:    {}", line(&echo));
     drained(&p, Duration::from_secs(60)).await;
+    let echo_cpu = where_cpu_went(&cpu0.since(&watched), echo.ok(), 23_000.0);
     let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-echo\""]).await;
     assert_eq!(
         ended,
@@ -356,12 +377,15 @@ async fn bench() {
         bare.rate(),
         echo.rate() / bare.rate()
     ));
+    summary.push(echo_cpu);
 
     // accepted (202), then run.
     let t0 = Instant::now();
+    let cpu0 = CpuUse::now(&watched);
     let acc = load::run(spec(a, "/hooks/bench-accept", 1, duration)).await;
     println!("weir accepted (202):         {}", line(&acc));
     let after = drained(&p, Duration::from_secs(120)).await;
+    let acc_cpu = where_cpu_went(&cpu0.since(&watched), acc.ok(), 30_000.0);
     let all_run = t0.elapsed();
     let ended = metric_sum(
         &p.base,
@@ -379,6 +403,7 @@ async fn bench() {
         bare.rate(),
         acc.rate() / bare.rate()
     ));
+    summary.push(acc_cpu);
     let (_, peak) = rss_kib(p.pid());
     summary.push(format!(
         "resident memory: idle {:.1} MiB with the example flows loaded, peak {:.1} MiB after the loads | targets ≤ 15 MiB idle, ≤ 60 MiB peak",

@@ -136,6 +136,72 @@ pub fn cpu_time(pid: u32) -> std::time::Duration {
     std::time::Duration::from_millis(ticks.max(0) as u64 * 10)
 }
 
+/// The whole machine's CPU time so far, from the first line of /proc/stat: time busy (user,
+/// nice, system, interrupts, steal) and time in all (busy plus idle and I/O wait), summed
+/// over every core. Two readings' difference says how many cores a run kept busy.
+pub fn machine_cpu() -> (Duration, Duration) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0);
+    // user nice system idle iowait irq softirq steal (guest time is already in user).
+    let busy = at(0) + at(1) + at(2) + at(5) + at(6) + at(7);
+    let all = busy + at(3) + at(4);
+    // Clock ticks are 1/100 s on Linux.
+    (
+        Duration::from_millis(busy * 10),
+        Duration::from_millis(all * 10),
+    )
+}
+
+/// CPU time over a run: of each process watched, and of the whole machine.
+#[derive(Debug, Clone)]
+pub struct CpuUse {
+    /// Each watched process's CPU time (user + system, every thread), in the order given.
+    pub of: Vec<Duration>,
+    /// The machine's time busy, and in all, summed over its cores (see [`machine_cpu`]).
+    pub busy: Duration,
+    pub all: Duration,
+}
+
+impl CpuUse {
+    /// A reading now, for `pids`; `since` makes it the CPU used from then.
+    pub fn now(pids: &[u32]) -> CpuUse {
+        let (busy, all) = machine_cpu();
+        CpuUse {
+            of: pids.iter().map(|p| cpu_time(*p)).collect(),
+            busy,
+            all,
+        }
+    }
+
+    /// What was used from the reading `self` until now, for the same `pids`.
+    pub fn since(&self, pids: &[u32]) -> CpuUse {
+        let n = CpuUse::now(pids);
+        CpuUse {
+            of: n.of.iter().zip(&self.of).map(|(a, b)| *a - *b).collect(),
+            busy: n.busy - self.busy,
+            all: n.all - self.all,
+        }
+    }
+
+    /// The cores kept busy on average, of `cores`.
+    pub fn cores_busy(&self, cores: f64) -> f64 {
+        cores * self.busy.as_secs_f64() / self.all.as_secs_f64().max(1e-9)
+    }
+}
+
+/// The machine's cores.
+pub fn cores() -> f64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
+}
+
 /// The bare Redis Streams ceiling: `batch` XADDs pipelined, one XREADGROUP of them, and one
 /// XACK + XDEL pipeline, `rounds` times, on one connection. Items per second.
 pub async fn redis_streams_loop(url: &str, batch: usize, rounds: u64) -> f64 {
