@@ -376,11 +376,15 @@ impl Executor {
             match result {
                 Ok(Emit(ports)) => {
                     for (port, msgs) in ports.into_iter().enumerate() {
-                        let targets = flow.graph.targets(n, port);
+                        // Each target but the last gets a copy; the last takes the message.
+                        let Some((&last, rest)) = flow.graph.targets(n, port).split_last() else {
+                            continue;
+                        };
                         for m in msgs {
-                            for &t in targets {
+                            for &t in rest {
                                 pending.push_back((t, m.clone()));
                             }
+                            pending.push_back((last, m));
                         }
                     }
                 }
