@@ -185,9 +185,15 @@ impl CpuUse {
     pub fn since(&self, pids: &[u32]) -> CpuUse {
         let n = CpuUse::now(pids);
         CpuUse {
-            of: n.of.iter().zip(&self.of).map(|(a, b)| *a - *b).collect(),
-            busy: n.busy - self.busy,
-            all: n.all - self.all,
+            // Saturating: a process gone since reads as no time at all.
+            of: n
+                .of
+                .iter()
+                .zip(&self.of)
+                .map(|(a, b)| a.saturating_sub(*b))
+                .collect(),
+            busy: n.busy.saturating_sub(self.busy),
+            all: n.all.saturating_sub(self.all),
         }
     }
 
