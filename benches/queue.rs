@@ -23,8 +23,8 @@ use weir_queue::{
     WorkQueue,
 };
 use weir_testkit::ceilings::{
-    bytes_written, cpu_time, fsyncs_per_second, redis_lean_scripts, redis_server_cpu,
-    redis_streams_loop, sqlite_batched,
+    bytes_written, cpu_time, fsync_probe, redis_lean_scripts, redis_server_cpu, redis_streams_loop,
+    sqlite_batched,
 };
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
@@ -230,7 +230,7 @@ fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Ve
     let sqlite_q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
     let sqlite: Arc<dyn WorkQueue> = sqlite_q.clone();
     let dir = tempfile::tempdir().unwrap();
-    let fsync = fsyncs_per_second(dir.path());
+    let fsync = fsync_probe(dir.path()).per_second;
     let bare_before = sqlite_batched(dir.path(), BATCH, 3.0);
     println!(
         "sqlite: WAL, synchronous=FULL; fsync ceiling on this machine: {fsync:.0}/s; bare batched queue (256 operations per transaction): {:.0} items/s",
@@ -264,7 +264,7 @@ fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Ve
     let bare_written = bare_before
         .written_per_item
         .min(bare_after.written_per_item);
-    let fsync = fsync.max(fsyncs_per_second(dir.path()));
+    let fsync = fsync.max(fsync_probe(dir.path()).per_second);
     for (name, per_iter, rate, per_tx, cpu, written) in sqlite_runs {
         let tx_rate = rate / per_tx;
         report.push(if per_iter == 1 {

@@ -25,7 +25,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
-use weir_testkit::ceilings::{cores, cpu_time, fsyncs_per_second, rss_kib, CpuUse};
+use weir_testkit::ceilings::{cores, cpu_time, fsync_probe, rss_kib, CpuUse};
 use weir_testkit::load::{self, accept_flow, bench_secs, LoadReport, LoadSpec};
 use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
 
@@ -106,16 +106,31 @@ async fn bare_echo(duration: Duration) -> LoadReport {
 /// engine and the generator together could make at that cost, and the CPU a request that
 /// `target` a second would leave the engine. An engine under its share that still misses
 /// the target is held by latency (each connection waits on its request), not by the cores.
-fn where_cpu_went(used: &CpuUse, n: u64, target: f64) -> String {
+/// `transactions` is how many the engine's writer committed meanwhile, each costing
+/// `fsync` of CPU in its fdatasync alone.
+fn where_cpu_went(
+    used: &CpuUse,
+    n: u64,
+    transactions: u64,
+    fsync: Duration,
+    target: f64,
+) -> String {
     let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
     let (engine, load) = (per(used.of[0]), per(used.of[1]));
+    let per_tx = n as f64 / transactions.max(1) as f64;
     let cores = cores();
     format!(
-        "  CPU a request: engine {engine:.1} µs, load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs",
+        "  CPU a request: engine {engine:.1} µs (of it ~{:.1} µs in fdatasyncs: {per_tx:.1} requests a transaction), load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs",
+        fsync.as_secs_f64() * 1e6 / per_tx,
         used.cores_busy(cores),
         cores * 1e6 / (engine + load).max(0.001),
         cores * 1e6 / target - load
     )
+}
+
+/// Transactions the engine's SQLite writer has committed so far.
+async fn transactions(base: &str) -> u64 {
+    metric_sum(base, "weir_sqlite_transactions_total", &[]).await
 }
 
 /// Copy the example flows and write the bench's own beside them.
@@ -306,12 +321,13 @@ async fn bench() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
-    let fsync = fsyncs_per_second(tmp.path());
+    let probe = fsync_probe(tmp.path());
+    let (fsync, fsync_cpu) = (probe.per_second, probe.cpu_each.as_secs_f64() * 1e6);
     println!("weir binary: {}", weir_bin().display());
-    println!("queue: sqlite, WAL, synchronous=FULL (every commit fsynced); fsync ceiling here: {fsync:.0}/s");
+    println!("queue: sqlite, WAL, synchronous=FULL (every commit fsynced); fsync ceiling here: {fsync:.0}/s, {fsync_cpu:.0} µs of CPU each");
     println!("load: {CONNECTIONS} keep-alive connections, {duration:?} per run, generator on the same 2 cores\n");
     let mut summary = vec![format!(
-        "durability: sqlite WAL, synchronous=FULL (every commit fsynced); fsync ceiling in this run {fsync:.0}/s (a request of `respond: wave` waits for one, a 202 for one)"
+        "durability: sqlite WAL, synchronous=FULL (every commit fsynced); fsync ceiling in this run {fsync:.0}/s, each costing {fsync_cpu:.0} µs of CPU (a request of `respond: wave` waits for one, a 202 for one; a transaction carries several)"
     )];
 
     // ---- start to first healthy answer, with the example flows ----
@@ -358,11 +374,17 @@ async fn bench() {
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     // The engine, and this process (the load generator).
     let watched = [p.pid(), std::process::id()];
-    let cpu0 = CpuUse::now(&watched);
+    let (cpu0, tx0) = (CpuUse::now(&watched), transactions(&p.base).await);
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     println!("weir echo, respond: wave:    {}", line(&echo));
     drained(&p, Duration::from_secs(60)).await;
-    let echo_cpu = where_cpu_went(&cpu0.since(&watched), echo.ok(), 23_000.0);
+    let echo_cpu = where_cpu_went(
+        &cpu0.since(&watched),
+        echo.ok(),
+        transactions(&p.base).await - tx0,
+        probe.cpu_each,
+        23_000.0,
+    );
     let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-echo\""]).await;
     assert_eq!(
         ended,
@@ -381,11 +403,17 @@ async fn bench() {
 
     // accepted (202), then run.
     let t0 = Instant::now();
-    let cpu0 = CpuUse::now(&watched);
+    let (cpu0, tx0) = (CpuUse::now(&watched), transactions(&p.base).await);
     let acc = load::run(spec(a, "/hooks/bench-accept", 1, duration)).await;
     println!("weir accepted (202):         {}", line(&acc));
     let after = drained(&p, Duration::from_secs(120)).await;
-    let acc_cpu = where_cpu_went(&cpu0.since(&watched), acc.ok(), 30_000.0);
+    let acc_cpu = where_cpu_went(
+        &cpu0.since(&watched),
+        acc.ok(),
+        transactions(&p.base).await - tx0,
+        probe.cpu_each,
+        30_000.0,
+    );
     let all_run = t0.elapsed();
     let ended = metric_sum(
         &p.base,

@@ -5,11 +5,21 @@ use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// Write 4 KiB + fdatasync in `dir`, as often as possible for two seconds: per second.
-pub fn fsyncs_per_second(dir: &Path) -> f64 {
+/// What a durable write costs on this disk: how many a second, and the CPU time each takes
+/// (the calling thread's, user + system: on a virtual disk the kernel's side of an fdatasync
+/// is most of it, whatever the write's size).
+#[derive(Debug, Clone, Copy)]
+pub struct Fsync {
+    pub per_second: f64,
+    pub cpu_each: Duration,
+}
+
+/// Write 4 KiB + fdatasync in `dir`, as often as possible for two seconds.
+pub fn fsync_probe(dir: &Path) -> Fsync {
     let path = dir.join("fsync-probe");
     let mut f = std::fs::File::create(&path).expect("probe file");
     let block = [7u8; 4096];
+    let cpu = thread_cpu_time();
     let t = Instant::now();
     let mut n = 0u64;
     while t.elapsed() < Duration::from_secs(2) {
@@ -18,7 +28,10 @@ pub fn fsyncs_per_second(dir: &Path) -> f64 {
         n += 1;
     }
     let _ = std::fs::remove_file(path);
-    n as f64 / t.elapsed().as_secs_f64()
+    Fsync {
+        per_second: n as f64 / t.elapsed().as_secs_f64(),
+        cpu_each: (thread_cpu_time().saturating_sub(cpu)) / n.max(1) as u32,
+    }
 }
 
 /// What the bare SQLite queue did: items per second, and the process's CPU time (user +
@@ -122,7 +135,17 @@ pub fn rss_kib(pid: u32) -> (u64, u64) {
 
 /// CPU time process `pid` has used so far (user + system).
 pub fn cpu_time(pid: u32) -> std::time::Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat_cpu(&format!("/proc/{pid}/stat"))
+}
+
+/// The calling thread's CPU time (user + system).
+pub fn thread_cpu_time() -> Duration {
+    stat_cpu("/proc/thread-self/stat")
+}
+
+/// User + system time from a `stat` file of /proc (a process's or a thread's).
+fn stat_cpu(path: &str) -> Duration {
+    let stat = std::fs::read_to_string(path).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start after the last ')'.
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     // After ')': the state letter, then ppid … cmajflt, utime, stime (fields 14 and 15).
@@ -133,7 +156,7 @@ pub fn cpu_time(pid: u32) -> std::time::Duration {
         .collect();
     let ticks = f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0);
     // Clock ticks are 1/100 s on Linux.
-    std::time::Duration::from_millis(ticks.max(0) as u64 * 10)
+    Duration::from_millis(ticks.max(0) as u64 * 10)
 }
 
 /// The whole machine's CPU time so far, from the first line of /proc/stat: time busy (user,
