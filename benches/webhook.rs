@@ -26,7 +26,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use weir_testkit::ceilings::{cores, cpu_time, fsync_probe, rss_kib, CpuUse};
-use weir_testkit::load::{self, accept_flow, bench_secs, LoadReport, LoadSpec};
+use weir_testkit::load::{self, accept_chain, accept_flow, bench_secs, LoadReport, LoadSpec};
 use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
 
 const CONNECTIONS: usize = 16;
@@ -190,11 +190,12 @@ struct Accepted {
 }
 
 /// One accepted load against a fresh engine (the binary `bin`) whose flows are the examples
-/// and `n` accept flows (paths p0…p{n-1}); checks that every 202 ran once.
+/// and `n` accept flows (paths p0…p{n-1}), each running `functions` function nodes in a
+/// row; checks that every 202 ran once.
 async fn accepted_over(
     bin: &Path,
     root: &Path,
-    n: usize,
+    (n, functions): (usize, usize),
     mqtt: &str,
     duration: Duration,
 ) -> Accepted {
@@ -203,7 +204,7 @@ async fn accepted_over(
         .map(|i| {
             (
                 format!("f{i:04}.yaml"),
-                accept_flow(&format!("f{i:04}"), &format!("p{i}")),
+                accept_chain(&format!("f{i:04}"), &format!("p{i}"), functions),
             )
         })
         .collect();
@@ -217,7 +218,7 @@ async fn accepted_over(
     drained(&p, Duration::from_secs(120)).await;
     let per_event = (cpu_time(p.pid()) - cpu) / m.ok().max(1) as u32;
     println!(
-        "weir accepted, {n:>4} flow(s): {}  engine CPU {:.1} µs/event, idle {:.1} MiB",
+        "weir accepted, {n:>4} flow(s) of {functions:>2} function(s): {}  engine CPU {:.1} µs/event, idle {:.1} MiB",
         line(&m),
         per_event.as_secs_f64() * 1e6,
         idle_kib as f64 / 1024.0
@@ -256,8 +257,8 @@ async fn flows_only(duration: Duration) {
     let bin = weir_bin();
     let (mut rates, mut cpus) = (Vec::new(), Vec::new());
     for _ in 0..rounds() {
-        let one = accepted_over(&bin, tmp.path(), 1, &broker.url(), duration).await;
-        let many = accepted_over(&bin, tmp.path(), 1000, &broker.url(), duration).await;
+        let one = accepted_over(&bin, tmp.path(), (1, 1), &broker.url(), duration).await;
+        let many = accepted_over(&bin, tmp.path(), (1000, 1), &broker.url(), duration).await;
         let cpu = many.cpu.as_secs_f64() / one.cpu.as_secs_f64();
         println!(
             "  1,000 flows vs 1: rate {:.2}×, engine CPU per event {cpu:.2}×",
@@ -289,8 +290,8 @@ async fn alloc_only(duration: Duration) {
     let broker = Mosquitto::start();
     let (mut rates, mut cpus, mut idle) = (Vec::new(), Vec::new(), [Vec::new(), Vec::new()]);
     for _ in 0..rounds() {
-        let g = accepted_over(&glibc, tmp.path(), 1, &broker.url(), duration).await;
-        let m = accepted_over(&mimalloc, tmp.path(), 1, &broker.url(), duration).await;
+        let g = accepted_over(&glibc, tmp.path(), (1, 1), &broker.url(), duration).await;
+        let m = accepted_over(&mimalloc, tmp.path(), (1, 1), &broker.url(), duration).await;
         println!(
             "  mimalloc vs default: rate {:.2}×, engine CPU per event {:.2}×, idle {:+.1} MiB",
             m.rate / g.rate,
@@ -442,12 +443,29 @@ async fn bench() {
     p.stop(Duration::from_secs(10)).await;
 
     // ---- 1,000 flows loaded vs 1 ----
-    let many = accepted_over(&weir_bin(), tmp.path(), 1000, &mqtt, duration)
+    let many = accepted_over(&weir_bin(), tmp.path(), (1000, 1), &mqtt, duration)
         .await
         .rate;
     summary.push(format!(
         "1,000 flows loaded (events spread over all of them) vs 1: {many:.0} vs {one:.0} events/s accepted, cost per event {:.2}× | target ≤ 1.2×",
         one / many
+    ));
+
+    // ---- nodes per wave: webhook → 1, 4, 16 function nodes → log ----
+    let mut chains = Vec::new();
+    for functions in [1, 4, 16] {
+        chains.push(accepted_over(&weir_bin(), tmp.path(), (1, functions), &mqtt, duration).await);
+    }
+    let us = |a: &Accepted| a.cpu.as_secs_f64() * 1e6;
+    summary.push(format!(
+        "nodes per wave (webhook → 1 / 4 / 16 function nodes → log, fresh engines): {:.0} / {:.0} / {:.0} events/s accepted, engine CPU {:.1} / {:.1} / {:.1} µs an event: each function node {:.1} µs more; a wave commits once however many nodes it runs",
+        chains[0].rate,
+        chains[1].rate,
+        chains[2].rate,
+        us(&chains[0]),
+        us(&chains[1]),
+        us(&chains[2]),
+        (us(&chains[2]) - us(&chains[0])) / 15.0
     ));
 
     println!("\n--- webhook benchmarks, beside the ceilings measured in this run ---");

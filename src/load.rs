@@ -163,20 +163,34 @@ async fn connection(
 
 /// A flow for the accepted-then-run benchmarks: webhook `path` (202) → function → log.
 pub fn accept_flow(id: &str, path: &str) -> String {
-    format!(
-        r#"
-id: {id}
-nodes:
-  hook: {{ type: webhook, path: {path}, to: [shape] }}
-  shape:
-    type: function
-    script: |
-      msg.payload.seen = true;
-      msg
-    to: [log]
-  log: {{ type: log, level: debug }}
-"#
-    )
+    accept_chain(id, path, 1)
+}
+
+/// Webhook `path` (202) → `functions` function nodes in a row (at least one) → log: what
+/// a wave costs per node it runs.
+pub fn accept_chain(id: &str, path: &str, functions: usize) -> String {
+    let name = |i: usize| match i {
+        1 => "shape".to_string(),
+        i => format!("shape{i}"),
+    };
+    let functions = functions.max(1);
+    let mut yaml = format!(
+        "\nid: {id}\nnodes:\n  hook: {{ type: webhook, path: {path}, to: [{}] }}\n",
+        name(1)
+    );
+    for i in 1..=functions {
+        let next = if i == functions {
+            "log".into()
+        } else {
+            name(i + 1)
+        };
+        yaml.push_str(&format!(
+            "  {}:\n    type: function\n    script: |\n      msg.payload.seen = true;\n      msg\n    to: [{next}]\n",
+            name(i)
+        ));
+    }
+    yaml.push_str("  log: { type: log, level: debug }\n");
+    yaml
 }
 
 /// The length of each benchmark load: `WEIR_BENCH_SECS`, default 8 s.
