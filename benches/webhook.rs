@@ -101,31 +101,45 @@ async fn bare_echo(duration: Duration) -> LoadReport {
     r
 }
 
-/// Where the CPU of a load went (`used` watched the engine, then the load generator) over
-/// `n` requests, and what the machine's cores allow: the most requests a second that the
-/// engine and the generator together could make at that cost, and the CPU a request that
-/// `target` a second would leave the engine. An engine under its share that still misses
-/// the target is held by latency (each connection waits on its request), not by the cores.
-/// `transactions` is how many the engine's writer committed meanwhile, each costing
-/// `fsync` of CPU in its fdatasync alone.
-fn where_cpu_went(
-    used: &CpuUse,
-    n: u64,
+/// The CPU time of the engine and of this process (the load generator), and the engine's
+/// SQLite transactions, from the start of a load.
+struct Watch {
+    pids: [u32; 2],
+    cpu: CpuUse,
     transactions: u64,
-    fsync: Duration,
-    target: f64,
-) -> String {
-    let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
-    let (engine, load) = (per(used.of[0]), per(used.of[1]));
-    let per_tx = n as f64 / transactions.max(1) as f64;
-    let cores = cores();
-    format!(
-        "  CPU a request: engine {engine:.1} µs (of it ~{:.1} µs in fdatasyncs: {per_tx:.1} requests a transaction), load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs",
-        fsync.as_secs_f64() * 1e6 / per_tx,
-        used.cores_busy(cores),
-        cores * 1e6 / (engine + load).max(0.001),
-        cores * 1e6 / target - load
-    )
+}
+
+impl Watch {
+    async fn start(p: &WeirProcess) -> Watch {
+        let pids = [p.pid(), std::process::id()];
+        Watch {
+            pids,
+            cpu: CpuUse::now(&pids),
+            transactions: transactions(&p.base).await,
+        }
+    }
+
+    /// Where the CPU of the load went over its `n` requests, and what the machine's cores
+    /// allow: the most requests a second that the engine and the generator together could
+    /// make at that cost, and the CPU a request that `target` a second would leave the
+    /// engine. An engine under its share that still misses the target is held by latency
+    /// (each connection waits on its request), not by the cores. `fsync` is what one
+    /// fdatasync costs the CPU (the probe's), shared by the requests of a transaction.
+    async fn report(self, p: &WeirProcess, n: u64, fsync: Duration, target: f64) -> String {
+        let used = self.cpu.since(&self.pids);
+        let committed = transactions(&p.base).await - self.transactions;
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+        let (engine, load) = (per(used.of[0]), per(used.of[1]));
+        let per_tx = n as f64 / committed.max(1) as f64;
+        let cores = cores();
+        format!(
+            "  CPU a request: engine {engine:.1} µs (of it ~{:.1} µs in fdatasyncs: {per_tx:.1} requests a transaction), load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs",
+            fsync.as_secs_f64() * 1e6 / per_tx,
+            used.cores_busy(cores),
+            cores * 1e6 / (engine + load).max(0.001),
+            cores * 1e6 / target - load
+        )
+    }
 }
 
 /// Transactions the engine's SQLite writer has committed so far.
@@ -373,19 +387,11 @@ async fn bench() {
     let bare = bare_echo(duration).await;
     println!("bare axum echo (no journal): {}", line(&bare));
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
-    // The engine, and this process (the load generator).
-    let watched = [p.pid(), std::process::id()];
-    let (cpu0, tx0) = (CpuUse::now(&watched), transactions(&p.base).await);
+    let watch = Watch::start(&p).await;
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     println!("weir echo, respond: wave:    {}", line(&echo));
     drained(&p, Duration::from_secs(60)).await;
-    let echo_cpu = where_cpu_went(
-        &cpu0.since(&watched),
-        echo.ok(),
-        transactions(&p.base).await - tx0,
-        probe.cpu_each,
-        23_000.0,
-    );
+    let echo_cpu = watch.report(&p, echo.ok(), probe.cpu_each, 23_000.0).await;
     let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-echo\""]).await;
     assert_eq!(
         ended,
@@ -404,17 +410,11 @@ async fn bench() {
 
     // accepted (202), then run.
     let t0 = Instant::now();
-    let (cpu0, tx0) = (CpuUse::now(&watched), transactions(&p.base).await);
+    let watch = Watch::start(&p).await;
     let acc = load::run(spec(a, "/hooks/bench-accept", 1, duration)).await;
     println!("weir accepted (202):         {}", line(&acc));
     let after = drained(&p, Duration::from_secs(120)).await;
-    let acc_cpu = where_cpu_went(
-        &cpu0.since(&watched),
-        acc.ok(),
-        transactions(&p.base).await - tx0,
-        probe.cpu_each,
-        30_000.0,
-    );
+    let acc_cpu = watch.report(&p, acc.ok(), probe.cpu_each, 30_000.0).await;
     let all_run = t0.elapsed();
     let ended = metric_sum(
         &p.base,
