@@ -300,33 +300,13 @@ nodes:
   limit: { type: rate-limit, rate: 1/min, to: [log] }
   log: { type: log }
 "#;
-    let e = Engine::builder()
-        .queue_url("memory")
-        .http(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .flow_str("limited.yaml", flow)
-        .build()
-        .unwrap()
-        .start()
-        .await
-        .unwrap();
+    let e = start_one("limited.yaml", flow).await;
     for n in 0..4 {
         assert_eq!(post_json(&e, "in", json!({ "n": n })).await.status(), 202);
     }
     let base = format!("http://{}", e.admin_addr);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let figures = loop {
-        let v: serde_json::Value = reqwest::get(format!("{base}/api/flows/limited/nodes"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if v[1]["held"] == 3 && v[2]["calls"] == 1 {
-            break v;
-        }
-        assert!(std::time::Instant::now() < deadline, "{v}");
-        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
-    };
+    let figures =
+        node_figures_once(&e, "limited", |v| v[1]["held"] == 3 && v[2]["calls"] == 1).await;
     assert_eq!(figures[1]["id"], "limit");
     assert_eq!(figures[1]["calls"], 4, "{figures}");
     assert_eq!(figures[0]["trigger"], true);
@@ -343,4 +323,68 @@ nodes:
         404
     );
     e.shutdown().await;
+}
+
+/// The benchmarks' nodes-per-wave flow (`accept_chain`): every node of the chain runs once
+/// per event, so what the bench divides by is what ran.
+#[tokio::test]
+async fn the_benches_chain_of_function_nodes_runs_each_node_once_per_event() {
+    let chain = weir_testkit::load::accept_chain("chain", "chain", 3);
+    let e = start_one("chain.yaml", &chain).await;
+    for n in 0..2 {
+        assert_eq!(
+            post_json(&e, "chain", json!({ "n": n })).await.status(),
+            202
+        );
+    }
+    let figures = node_figures_once(&e, "chain", |v| v[4]["calls"] == 2).await;
+    let ran: Vec<(String, u64)> = figures
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["trigger"] == false)
+        .map(|n| {
+            (
+                n["id"].as_str().unwrap().to_string(),
+                n["calls"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, u64)> = ["shape", "shape2", "shape3", "log"]
+        .iter()
+        .map(|id| (id.to_string(), 2))
+        .collect();
+    assert_eq!(ran, want, "{figures}");
+    e.shutdown().await;
+}
+
+/// `GET /api/flows/{flow}/nodes`, polled until `ready` holds of it (10 s at most).
+async fn node_figures_once(
+    e: &weir::RunningEngine,
+    flow: &str,
+    ready: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let url = format!("http://{}/api/flows/{flow}/nodes", e.admin_addr);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let v: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+        if ready(&v) {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v}");
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    }
+}
+
+/// An engine on the memory queue with the one flow `yaml`, started.
+async fn start_one(name: &str, yaml: &str) -> weir::RunningEngine {
+    Engine::builder()
+        .queue_url("memory")
+        .http(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .flow_str(name, yaml)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap()
 }
