@@ -159,9 +159,9 @@ fn main() {
         println!(
             "  CPU per message: pass-through {:.1} µs (broker {broker_pass:.1}, clients {clients:.1}; {:.2} of {cores:.0} cores busy); weir's path {:.1} µs (broker {broker_weir:.1}, clients {clients:.1}, engine {engine:.1}; {:.2} of {cores:.0} cores busy)",
             broker_pass + clients,
-            cpu_pass.cores_busy(cores),
+            cpu_pass.cores_busy(),
             broker_weir + clients + engine,
-            cpu_weir.cores_busy(cores),
+            cpu_weir.cores_busy(),
         );
         // What the cores allow: at 0.9 of the pass-through, weir's path may cost at most
         // cores / (0.9 × rate) per message; the broker's and the clients' part of it is fixed

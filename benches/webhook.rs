@@ -25,9 +25,9 @@ use axum::routing::post;
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
-use weir_testkit::ceilings::{cores, cpu_time, fsync_probe, rss_kib, CpuUse};
+use weir_testkit::ceilings::{cores, cpu_time, fsync_probe, rss_kib, threads_cpu_time, CpuUse};
 use weir_testkit::load::{self, accept_chain, accept_flow, bench_secs, LoadReport, LoadSpec};
-use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
+use weir_testkit::{metric_sum, metric_sum_f64, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
 
 const CONNECTIONS: usize = 16;
 
@@ -107,7 +107,46 @@ struct Watch {
     pids: [u32; 2],
     cpu: CpuUse,
     transactions: u64,
+    writer: Writer,
 }
+
+/// The SQLite writer thread so far: its CPU time, and the time spent inside its COMMITs.
+struct Writer {
+    at: Instant,
+    cpu: Duration,
+    in_commit: f64,
+}
+
+impl Writer {
+    async fn now(p: &WeirProcess) -> Writer {
+        Writer {
+            at: Instant::now(),
+            cpu: threads_cpu_time(p.pid(), WRITER_THREAD),
+            in_commit: metric_sum_f64(&p.base, "weir_sqlite_commit_seconds_sum", &[]).await,
+        }
+    }
+
+    /// How busy the writer was since `self`, the share of the time inside COMMIT and each
+    /// COMMIT's time. Every request waits on the writer twice (its journaling, its wave's
+    /// commit), so a writer near 100 % is the chain every request waits on. A COMMIT's time
+    /// is partly CPU (its fdatasync's, `fsync_cpu` each, counted once).
+    fn since(self, now: &Writer, committed: u64, fsync_cpu: Duration) -> String {
+        let wall = (now.at - self.at).as_secs_f64();
+        let cpu = (now.cpu - self.cpu).as_secs_f64() / wall;
+        let commit = (now.in_commit - self.in_commit) / wall;
+        let fsyncs = committed as f64 * fsync_cpu.as_secs_f64() / wall;
+        format!(
+            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included)",
+            ((cpu + commit - fsyncs) * 100.0).clamp(0.0, 100.0),
+            cpu * 100.0,
+            commit * 100.0,
+            commit * wall * 1e6 / committed.max(1) as f64
+        )
+    }
+}
+
+/// The SQLite writer's thread name, as the kernel keeps it (15 bytes).
+const WRITER_THREAD: &str = "weir-sqlite-wri";
 
 impl Watch {
     async fn start(p: &WeirProcess) -> Watch {
@@ -116,6 +155,7 @@ impl Watch {
             pids,
             cpu: CpuUse::now(&pids),
             transactions: transactions(&p.base).await,
+            writer: Writer::now(p).await,
         }
     }
 
@@ -128,14 +168,15 @@ impl Watch {
     async fn report(self, p: &WeirProcess, n: u64, fsync: Duration, target: f64) -> String {
         let used = self.cpu.since(&self.pids);
         let committed = transactions(&p.base).await - self.transactions;
+        let writer = self.writer.since(&Writer::now(p).await, committed, fsync);
         let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
         let (engine, load) = (per(used.of[0]), per(used.of[1]));
         let per_tx = n as f64 / committed.max(1) as f64;
         let cores = cores();
         format!(
-            "  CPU a request: engine {engine:.1} µs (of it ~{:.1} µs in fdatasyncs: {per_tx:.1} requests a transaction), load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs",
+            "  CPU a request: engine {engine:.1} µs (of it ~{:.1} µs in fdatasyncs: {per_tx:.1} requests a transaction), load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs\n{writer}",
             fsync.as_secs_f64() * 1e6 / per_tx,
-            used.cores_busy(cores),
+            used.cores_busy(),
             cores * 1e6 / (engine + load).max(0.001),
             cores * 1e6 / target - load
         )

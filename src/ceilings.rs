@@ -143,6 +143,21 @@ pub fn thread_cpu_time() -> Duration {
     stat_cpu("/proc/thread-self/stat")
 }
 
+/// CPU time used so far by the threads of process `pid` whose name starts with `name` (as
+/// the kernel keeps it: at most 15 bytes, so `weir-sqlite-wri` for the SQLite writer).
+pub fn threads_cpu_time(pid: u32, name: &str) -> Duration {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Duration::ZERO;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(name))
+        })
+        .map(|t| stat_cpu(&t.path().join("stat").to_string_lossy()))
+        .sum()
+}
+
 /// User + system time from a `stat` file of /proc (a process's or a thread's).
 fn stat_cpu(path: &str) -> Duration {
     let stat = std::fs::read_to_string(path).unwrap_or_default();
@@ -220,15 +235,29 @@ impl CpuUse {
         }
     }
 
-    /// The cores kept busy on average, of `cores`.
-    pub fn cores_busy(&self, cores: f64) -> f64 {
-        cores * self.busy.as_secs_f64() / self.all.as_secs_f64().max(1e-9)
+    /// The machine's cores kept busy on average: its busy share of the time, times every CPU
+    /// the kernel counts. Under a CPU quota that is more than [`cores`] (which honours the
+    /// quota), and the figure is the whole machine's, not the quota's.
+    pub fn cores_busy(&self) -> f64 {
+        kernel_cpus() as f64 * self.busy.as_secs_f64() / self.all.as_secs_f64().max(1e-9)
     }
 }
 
-/// The machine's cores.
+/// The cores this process may use (a cgroup's CPU quota or affinity mask counted).
 pub fn cores() -> f64 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
+}
+
+/// The CPUs the kernel counts in /proc/stat (`cpu0`, `cpu1`, …), whatever the quota.
+pub fn kernel_cpus() -> usize {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    stat.lines()
+        .filter(|l| {
+            l.strip_prefix("cpu")
+                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .count()
+        .max(1)
 }
 
 /// The bare Redis Streams ceiling: `batch` XADDs pipelined, one XREADGROUP of them, and one
@@ -433,4 +462,29 @@ pub async fn redis_lean_scripts(url: &str, body: &str, batch: usize, rounds: u64
         assert_eq!(r, "done", "no commit of the lean design conflicts");
     }
     (rounds * batch as u64) as f64 / t.elapsed().as_secs_f64()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The benches' "cores busy" scales the machine's busy share by the CPUs /proc/stat
+    /// lists: it must find them all (at least the cores this process may use).
+    #[test]
+    fn the_kernel_counts_at_least_the_cores_this_process_may_use() {
+        assert!(
+            kernel_cpus() >= cores() as usize,
+            "{} < {}",
+            kernel_cpus(),
+            cores()
+        );
+        let before = CpuUse::now(&[std::process::id()]);
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(300) {
+            std::hint::black_box(t.elapsed());
+        }
+        let busy = before.since(&[std::process::id()]).cores_busy();
+        // This thread spun the whole time: at least most of one core was busy.
+        assert!(busy > 0.5 && busy <= kernel_cpus() as f64 + 0.01, "{busy}");
+    }
 }

@@ -683,6 +683,11 @@ impl Drop for MqttPeer {
 /// The sum of a Prometheus counter's series at `base/metrics` whose labels contain every one
 /// of `labels`.
 pub async fn metric_sum(base: &str, name: &str, labels: &[&str]) -> u64 {
+    metric_sum_f64(base, name, labels).await as u64
+}
+
+/// As [`metric_sum`], unrounded: for sums of seconds (a histogram's `_sum`).
+pub async fn metric_sum_f64(base: &str, name: &str, labels: &[&str]) -> f64 {
     let text = reqwest::get(format!("{base}/metrics"))
         .await
         .expect("metrics")
@@ -692,5 +697,5 @@ pub async fn metric_sum(base: &str, name: &str, labels: &[&str]) -> u64 {
     text.lines()
         .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+        .sum::<f64>()
 }
