@@ -115,14 +115,20 @@ struct Writer {
     at: Instant,
     cpu: Duration,
     in_commit: f64,
+    /// Writes answered, and their time from request to durable answer, summed.
+    writes: f64,
+    waited: f64,
 }
 
 impl Writer {
     async fn now(p: &WeirProcess) -> Writer {
+        let m = |name| metric_sum_f64(&p.base, name, &[]);
         Writer {
             at: Instant::now(),
             cpu: threads_cpu_time(p.pid(), WRITER_THREAD),
-            in_commit: metric_sum_f64(&p.base, "weir_sqlite_commit_seconds_sum", &[]).await,
+            in_commit: m("weir_sqlite_commit_seconds_sum").await,
+            writes: m("weir_sqlite_wait_seconds_count").await,
+            waited: m("weir_sqlite_wait_seconds_sum").await,
         }
     }
 
@@ -135,12 +141,15 @@ impl Writer {
         let cpu = (now.cpu - self.cpu).as_secs_f64() / wall;
         let commit = (now.in_commit - self.in_commit) / wall;
         let fsyncs = committed as f64 * fsync_cpu.as_secs_f64() / wall;
+        let cycle = wall * 1e6 / committed.max(1) as f64;
+        let waited = (now.waited - self.waited) * 1e6 / (now.writes - self.writes).max(1.0);
         format!(
-            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included)",
+            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included); a transaction every {cycle:.0} µs, and a write (journaling, commit) waited {waited:.0} µs for its durable answer, {:.1} transactions' time",
             ((cpu + commit - fsyncs) * 100.0).clamp(0.0, 100.0),
             cpu * 100.0,
             commit * 100.0,
-            commit * wall * 1e6 / committed.max(1) as f64
+            commit * wall * 1e6 / committed.max(1) as f64,
+            waited / cycle
         )
     }
 }

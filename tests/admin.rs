@@ -388,3 +388,39 @@ async fn start_one(name: &str, yaml: &str) -> weir::RunningEngine {
         .await
         .unwrap()
 }
+
+/// The SQLite writer's wait (an event's journaling, a wave's commit: from the request to
+/// its durable answer) is in /metrics, as the webhook bench reads it.
+#[tokio::test]
+async fn the_sqlite_queue_reports_how_long_its_writes_wait_for_durability() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::builder()
+        .queue_url(format!("sqlite:{}", dir.path().join("q.db").display()))
+        .http(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .flow_str("f.yaml", FLOW)
+        .build()
+        .unwrap()
+        .start()
+        .await
+        .unwrap();
+    let base = format!("http://{}", e.admin_addr);
+    let count = || weir_testkit::metric_sum_f64(&base, "weir_sqlite_wait_seconds_count", &[]);
+    let before = count().await;
+    assert_eq!(post_json(&e, "in", json!(1)).await.status(), 202);
+    // Its journaling, then its wave's commit: two writes at least.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while count().await < before + 2.0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(count().await >= before + 2.0, "two writes counted");
+    let sum = weir_testkit::metric_sum_f64(&base, "weir_sqlite_wait_seconds_sum", &[]).await;
+    assert!(sum > 0.0, "the waits add up to some time: {sum}");
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("# HELP weir_sqlite_wait_seconds"), "{text}");
+    e.shutdown().await;
+}

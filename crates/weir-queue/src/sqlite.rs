@@ -548,12 +548,17 @@ impl SqliteQueue {
     ) -> Result<R, QueueError> {
         let (reply, rx) = oneshot::channel();
         let run: Run = Box::new(move |c, w| f(c, w).map(|r| Box::new(r) as Box<dyn Any + Send>));
+        let sent = std::time::Instant::now();
         self.jobs
             .send(Job::Run { run, reply })
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
         let answer = rx
             .await
-            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))??;
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
+        // How long a journaling or a commit waits for its transaction to be durable: behind
+        // the transaction under way, then its own (group commit's price, and a webhook's).
+        metrics::histogram!("weir_sqlite_wait_seconds").record(sent.elapsed().as_secs_f64());
+        let answer = answer?;
         answer
             .downcast::<R>()
             .map(|b| *b)

@@ -79,6 +79,11 @@ pub fn describe() {
         Unit::Seconds,
         "Time of each SQLite COMMIT, its fsync included"
     );
+    describe_histogram!(
+        "weir_sqlite_wait_seconds",
+        Unit::Seconds,
+        "Time a queue write (journaling an event, a wave's commit, …) took from its request to its durable answer: waiting for the transaction under way, then its own"
+    );
     describe_gauge!(
         "weir_dead_letters_evicted",
         "Dead letters evicted past the backend's cap, all told"
