@@ -154,6 +154,28 @@ impl Writer {
     }
 }
 
+/// The most requests a second that any engine answering after an fsync of one log could
+/// serve over `CONNECTIONS`, from this run's bare HTTP rate and fsync rate: the connections
+/// over (a bare HTTP round trip + 1.5 fsyncs: a request waits out the rest of the flush
+/// under way, which began before it came, then a whole one of its own).
+#[derive(Clone, Copy)]
+struct Floor {
+    bare_rate: f64,
+    fsyncs: f64,
+}
+
+impl Floor {
+    fn line(self, rate: f64) -> String {
+        let trip = CONNECTIONS as f64 * 1e6 / self.bare_rate.max(1.0);
+        let flush = 1.5e6 / self.fsyncs.max(1.0);
+        let most = CONNECTIONS as f64 * 1e6 / (trip + flush);
+        let took = CONNECTIONS as f64 * 1e6 / rate.max(1.0);
+        format!(
+            "  the floor of a round trip here: bare HTTP {trip:.0} µs + 1.5 fsyncs {flush:.0} µs, so at most {most:.0}/s for any engine that answers after an fsync; weir's round trip {took:.0} µs"
+        )
+    }
+}
+
 /// The SQLite writer's thread name, as the kernel keeps it (15 bytes).
 const WRITER_THREAD: &str = "weir-sqlite-wri";
 
@@ -436,6 +458,10 @@ async fn bench() {
     // echo: the ceiling first, then weir.
     let bare = bare_echo(duration).await;
     println!("bare axum echo (no journal): {}", line(&bare));
+    let floor = Floor {
+        bare_rate: bare.rate(),
+        fsyncs: fsync,
+    };
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     let watch = Watch::start(&p).await;
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
@@ -457,6 +483,7 @@ async fn bench() {
         echo.rate() / bare.rate()
     ));
     summary.push(echo_cpu);
+    summary.push(floor.line(echo.rate()));
 
     // accepted (202), then run.
     let t0 = Instant::now();
@@ -483,6 +510,7 @@ async fn bench() {
         acc.rate() / bare.rate()
     ));
     summary.push(acc_cpu);
+    summary.push(floor.line(acc.rate()));
     let (_, peak) = rss_kib(p.pid());
     summary.push(format!(
         "resident memory: idle {:.1} MiB with the example flows loaded, peak {:.1} MiB after the loads | targets ≤ 15 MiB idle, ≤ 60 MiB peak",
