@@ -296,7 +296,8 @@ pub trait WorkQueue: StateRead + Send + Sync {
     /// is answered in the very transaction that journals an item, but only if it is there
     /// then: with one claim, an item journaled while the previous answer is being handed
     /// out waits for a later transaction, one more fsync of latency. A second claim waiting
-    /// meanwhile takes it at once. Backends whose claims poll keep one.
+    /// meanwhile takes it at once; the SQLite backend keeps four. Backends whose claims
+    /// poll keep one.
     fn claims_ahead(&self) -> usize {
         1
     }
