@@ -394,10 +394,8 @@ async fn start_one(name: &str, yaml: &str) -> weir::RunningEngine {
 #[tokio::test]
 async fn the_sqlite_queue_reports_how_long_its_writes_wait_for_durability() {
     let dir = tempfile::tempdir().unwrap();
-    let e = Engine::builder()
+    let e = builder()
         .queue_url(format!("sqlite:{}", dir.path().join("q.db").display()))
-        .http(SocketAddr::from(([127, 0, 0, 1], 0)))
-        .flow_str("f.yaml", FLOW)
         .build()
         .unwrap()
         .start()
