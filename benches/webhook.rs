@@ -132,10 +132,12 @@ impl Writer {
         }
     }
 
-    /// How busy the writer was since `self`, the share of the time inside COMMIT and each
-    /// COMMIT's time. Every request waits on the writer twice (its journaling, its wave's
-    /// commit), so a writer near 100 % is the chain every request waits on. A COMMIT's time
-    /// is partly CPU (its fdatasync's, `fsync_cpu` each, counted once).
+    /// How busy the writer was since `self`, the share of the time inside COMMIT, each
+    /// COMMIT's time, and how long a write waited. Every event is written twice (its
+    /// journaling, its wave's commit) and every request waits for the first, so a writer
+    /// near 100 % is the chain every request waits on. A COMMIT's time is partly CPU (its
+    /// fdatasync's, `fsync_cpu` each, counted once). Claims are not writes here: they wait
+    /// for work by design.
     fn since(self, now: &Writer, committed: u64, fsync_cpu: Duration) -> String {
         let wall = (now.at - self.at).as_secs_f64();
         let cpu = (now.cpu - self.cpu).as_secs_f64() / wall;
