@@ -420,5 +420,11 @@ async fn the_sqlite_queue_reports_how_long_its_writes_wait_for_durability() {
         .await
         .unwrap();
     assert!(text.contains("# HELP weir_sqlite_wait_seconds"), "{text}");
+    // Buckets, which add up across engines, not per-engine quantiles.
+    assert!(
+        text.contains(r#"weir_sqlite_wait_seconds_bucket{le="0.001"}"#)
+            && text.contains(r#"weir_sqlite_commit_seconds_bucket{le="0.001"}"#),
+        "{text}"
+    );
     e.shutdown().await;
 }
