@@ -273,3 +273,89 @@ async fn a_config_file_sits_below_the_environment_and_the_flags() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("weir.toml") && err.contains("htpp"), "{err}");
 }
+
+/// `weir run` that cannot start says why, once, and exits 1: a bad flow (with its
+/// file:line:column), a queue file another engine holds, an address in use.
+#[test]
+fn weir_run_says_once_why_it_cannot_start() {
+    let run = |args: &[&str]| {
+        let out = Command::new(weir_testkit::weir_bin())
+            .arg("run")
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let flows = dir.path().join("flows");
+    std::fs::create_dir(&flows).unwrap();
+    std::fs::write(flows.join("b.yaml"), "id: b\nnodes:\n  x: { type: nope }\n").unwrap();
+    let http = format!("127.0.0.1:{}", free_port());
+    let (code, err) = run(&[
+        flows.to_str().unwrap(),
+        "--queue",
+        "memory",
+        "--http",
+        &http,
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    let file = flows.join("b.yaml").display().to_string();
+    assert!(
+        err.starts_with(&format!(
+            "error: {file}:3:14: node `x`: unknown node type `nope`"
+        )),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("unknown node type").count(),
+        1,
+        "said once: {err}"
+    );
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = taken.local_addr().unwrap().to_string();
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/flows");
+    let (code, err) = run(&[examples, "--queue", "memory", "--http", &at]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains(&format!("cannot listen on {at}: ")), "{err}");
+    assert_eq!(err.matches("in use").count(), 1, "said once: {err}");
+}
+
+/// Logs written to a file (or a pipe, or the journal) are plain text: the colours are for a
+/// terminal only.
+#[tokio::test]
+async fn logs_to_a_file_carry_no_colour_codes() {
+    let port = free_port();
+    let data = tempfile::tempdir().unwrap();
+    let log = data.path().join("weir.log");
+    let mut child = Command::new(weir_testkit::weir_bin())
+        .args(["run", concat!(env!("CARGO_MANIFEST_DIR"), "/flows")])
+        .args(["--queue", "memory", "--http", &format!("127.0.0.1:{port}")])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("weir engine started") {
+            break text;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("no start line logged within 20 s:\n{text}");
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(text.contains(" INFO "), "{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "escape codes in a log file: {text:?}"
+    );
+}

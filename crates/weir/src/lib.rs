@@ -39,18 +39,21 @@ pub use weir_nodes::{
 };
 pub use weir_queue::{self as queue, Failpoints, MemoryQueue, Message, WorkQueue};
 
+/// Why an engine could not be built or started. Each message is whole on its own: the
+/// wrapped errors are shown through (`transparent`), not again as a cause, so a chain
+/// printer (`anyhow`'s `{:#}`) says each thing once.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("{0}")]
+    #[error(transparent)]
     Flows(#[from] Diagnostics),
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {error}")]
     Bind {
         addr: SocketAddr,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{0}")]
     Config(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Queue(#[from] weir_queue::QueueError),
 }
 
@@ -371,10 +374,10 @@ impl Engine {
         let bind = |at: SocketAddr| async move {
             let l = tokio::net::TcpListener::bind(at)
                 .await
-                .map_err(|source| EngineError::Bind { addr: at, source })?;
+                .map_err(|error| EngineError::Bind { addr: at, error })?;
             let addr = l
                 .local_addr()
-                .map_err(|source| EngineError::Bind { addr: at, source })?;
+                .map_err(|error| EngineError::Bind { addr: at, error })?;
             Ok::<_, EngineError>((l, addr))
         };
         let (listener, addr) = bind(self.http).await?;
