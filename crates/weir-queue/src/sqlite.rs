@@ -1401,7 +1401,7 @@ impl WorkQueue for SqliteQueue {
     /// Four: with two, the claim loop's turn (hand out one answer, send the next claim)
     /// sometimes outlasted a transaction, and under the echo load 19 % of the items were
     /// claimed a transaction after the one that journaled them (one more fsync each); with
-    /// four, 1 % (docs/performance.md, "A write waits two transactions").
+    /// four, 1 % (docs/performance-log.md, "A write waits two transactions").
     fn claims_ahead(&self) -> usize {
         4
     }
