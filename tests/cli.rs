@@ -317,8 +317,13 @@ fn weir_run_says_once_why_it_cannot_start() {
 
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let at = taken.local_addr().unwrap().to_string();
-    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/flows");
-    let (code, err) = run(&[examples, "--queue", "memory", "--http", &at]);
+    let (code, err) = run(&[
+        &one_webhook_flow(dir.path()),
+        "--queue",
+        "memory",
+        "--http",
+        &at,
+    ]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains(&format!("cannot listen on {at}: ")), "{err}");
     assert_eq!(err.matches("in use").count(), 1, "said once: {err}");
@@ -332,7 +337,7 @@ async fn logs_to_a_file_carry_no_colour_codes() {
     let data = tempfile::tempdir().unwrap();
     let log = data.path().join("weir.log");
     let mut child = Command::new(weir_testkit::weir_bin())
-        .args(["run", concat!(env!("CARGO_MANIFEST_DIR"), "/flows")])
+        .args(["run", &one_webhook_flow(data.path())])
         .args(["--queue", "memory", "--http", &format!("127.0.0.1:{port}")])
         .env_remove("RUST_LOG")
         .stdout(Stdio::null())
@@ -358,4 +363,16 @@ async fn logs_to_a_file_carry_no_colour_codes() {
         !text.contains('\u{1b}'),
         "escape codes in a log file: {text:?}"
     );
+}
+
+/// A flows directory under `dir` with one webhook flow and nothing that needs a broker.
+fn one_webhook_flow(dir: &std::path::Path) -> String {
+    let flows = dir.join("hook-only");
+    std::fs::create_dir_all(&flows).unwrap();
+    std::fs::write(
+        flows.join("in.yaml"),
+        "id: in\nnodes:\n  hook: { type: webhook, path: in, to: [log] }\n  log: { type: log }\n",
+    )
+    .unwrap();
+    flows.display().to_string()
 }
