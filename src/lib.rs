@@ -217,6 +217,30 @@ pub async fn clear_of_the_hour(margin: Duration) {
     }
 }
 
+/// Poll `probe` every 20 ms until it answers `Ok`, and return what it found; after `within`,
+/// panic with `what` and the last thing it saw instead (its `Err`).
+pub async fn eventually<T, E, Fut>(
+    what: &str,
+    within: Duration,
+    mut probe: impl FnMut() -> Fut,
+) -> T
+where
+    E: std::fmt::Debug,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        match probe().await {
+            Ok(found) => return found,
+            Err(seen) => assert!(
+                Instant::now() < deadline,
+                "timed out after {within:?} waiting for {what}; last seen: {seen:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Wait until `cond` holds, polling, or panic with `what` after `within`.
 pub async fn wait_for<F: FnMut() -> bool>(what: &str, within: Duration, mut cond: F) {
     let deadline = Instant::now() + within;
@@ -255,19 +279,14 @@ pub async fn wait_for_dead_letters(
     n: usize,
     within: Duration,
 ) -> Vec<Value> {
-    let deadline = Instant::now() + within;
-    loop {
+    eventually(&format!("{n} dead letters"), within, || async move {
         let d = get_json(engine, "/api/dead-letters").await;
-        let list = d.as_array().cloned().unwrap_or_default();
-        if list.len() >= n {
-            return list;
+        match d.as_array() {
+            Some(list) if list.len() >= n => Ok(list.clone()),
+            _ => Err(d),
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {within:?} waiting for {n} dead letters; have {d}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 pub async fn post_admin(engine: &RunningEngine, path: &str) -> Value {

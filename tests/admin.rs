@@ -2,6 +2,7 @@
 //! engine at all on an open address without a token.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use serde_json::json;
 use weir::{Engine, EngineError};
@@ -83,16 +84,19 @@ async fn with_a_token_the_api_and_metrics_need_it_and_health_stays_open_and_metr
             .await
             .unwrap()
     };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let text = loop {
-        let t = metrics().await;
-        if t.contains(r#"weir_items_ended_total{flow="f",end="ack"}"#)
-            || std::time::Instant::now() > deadline
-        {
-            break t;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    };
+    let text = weir_testkit::eventually(
+        "the wave's end counted",
+        Duration::from_secs(10),
+        || async {
+            let t = metrics().await;
+            if t.contains(r#"weir_items_ended_total{flow="f",end="ack"}"#) {
+                Ok(t)
+            } else {
+                Err(t)
+            }
+        },
+    )
+    .await;
     for want in [
         r#"weir_events_total{trigger="webhook",flow="f"}"#,
         r#"weir_items_ended_total{flow="f",end="ack"}"#,
@@ -181,14 +185,17 @@ async fn readyz_says_when_the_queue_does_not_answer() {
         "but the process lives"
     );
     redis.restart();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while status(url.clone(), None).await != 200 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "ready again once Redis is back"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    weir_testkit::eventually(
+        "ready again once Redis is back",
+        Duration::from_secs(10),
+        || async {
+            match status(url.clone(), None).await {
+                200 => Ok(()),
+                other => Err(other),
+            }
+        },
+    )
+    .await;
     e.shutdown().await;
 }
 
@@ -364,16 +371,17 @@ async fn node_figures_once(
     flow: &str,
     ready: impl Fn(&serde_json::Value) -> bool,
 ) -> serde_json::Value {
-    let url = format!("http://{}/api/flows/{flow}/nodes", e.admin_addr);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let v: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+    let url = &format!("http://{}/api/flows/{flow}/nodes", e.admin_addr);
+    let ready = &ready;
+    weir_testkit::eventually("the node figures", Duration::from_secs(10), || async move {
+        let v: serde_json::Value = reqwest::get(url).await.unwrap().json().await.unwrap();
         if ready(&v) {
-            return v;
+            Ok(v)
+        } else {
+            Err(v)
         }
-        assert!(std::time::Instant::now() < deadline, "{v}");
-        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
-    }
+    })
+    .await
 }
 
 /// An engine on the memory queue with the one flow `yaml`, started.
@@ -406,11 +414,15 @@ async fn the_sqlite_queue_reports_how_long_its_writes_wait_for_durability() {
     let before = count().await;
     assert_eq!(post_json(&e, "in", json!(1)).await.status(), 202);
     // Its journaling, then its wave's commit: two writes at least.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while count().await < before + 2.0 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert!(count().await >= before + 2.0, "two writes counted");
+    weir_testkit::eventually("two writes counted", Duration::from_secs(10), || async {
+        let n = count().await;
+        if n >= before + 2.0 {
+            Ok(())
+        } else {
+            Err(n)
+        }
+    })
+    .await;
     let sum = weir_testkit::metric_sum_f64(&base, "weir_sqlite_wait_seconds_sum", &[]).await;
     assert!(sum > 0.0, "the waits add up to some time: {sum}");
     let text = reqwest::get(format!("{base}/metrics"))
