@@ -368,7 +368,23 @@ impl WeirProcess {
         queue: &str,
         extra: &[&str],
     ) -> WeirProcess {
-        let port = weir_queue::testing::free_port();
+        // A port another test's process took between the probe and ours: another port.
+        for _ in 0..5 {
+            let port = weir_queue::testing::free_port();
+            if let Some(p) = Self::try_start(bin, flows, queue, extra, port).await {
+                return p;
+            }
+        }
+        panic!("weir found each of five free ports taken before it could listen");
+    }
+
+    async fn try_start(
+        bin: &std::path::Path,
+        flows: &std::path::Path,
+        queue: &str,
+        extra: &[&str],
+        port: u16,
+    ) -> Option<WeirProcess> {
         let log = std::env::temp_dir().join(format!("weir-test-{port}.log"));
         let child = std::process::Command::new(bin)
             .arg("run")
@@ -390,14 +406,19 @@ impl WeirProcess {
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if reqwest::get(format!("{}/healthz", p.base)).await.is_ok() {
-                return p;
+            // Ours once its process listens on the port: an engine that merely answers
+            // there may be another test's.
+            if weir_queue::testing::listens_on(p.child.id(), port)
+                && reqwest::get(format!("{}/healthz", p.base)).await.is_ok()
+            {
+                return Some(p);
             }
             if let Ok(Some(status)) = p.child.try_wait() {
-                panic!(
-                    "weir exited with {status} before it served; log:\n{}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if text.contains("cannot listen on") {
+                    return None;
+                }
+                panic!("weir exited with {status} before it served; log:\n{text}");
             }
             assert!(
                 Instant::now() < deadline,
@@ -487,10 +508,22 @@ impl Mosquitto {
 
     /// With more configuration lines (another listener, say) after weir's test settings.
     pub fn start_with(extra: &str) -> Mosquitto {
-        Self::start_at(weir_queue::testing::free_port(), extra)
+        // A port another test's broker took between the probe and ours: another port.
+        for _ in 0..5 {
+            if let Some(m) = Self::try_start_at(weir_queue::testing::free_port(), extra) {
+                return m;
+            }
+        }
+        panic!("mosquitto found each of five free ports taken before it could listen");
     }
 
     fn start_at(port: u16, extra: &str) -> Mosquitto {
+        Self::try_start_at(port, extra).unwrap_or_else(|| {
+            panic!("mosquitto could not listen on port {port}: another process has it")
+        })
+    }
+
+    fn try_start_at(port: u16, extra: &str) -> Option<Mosquitto> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let conf = format!(
             // `user root`: started as root, mosquitto would otherwise switch to the user
@@ -508,8 +541,7 @@ impl Mosquitto {
             dir,
             child: None,
         };
-        m.restart();
-        m
+        m.spawn().then_some(m)
     }
 
     /// The broker's process id (for a benchmark reading its CPU time).
@@ -523,8 +555,18 @@ impl Mosquitto {
 
     /// Start it again (same port, same persistence file) after [`stop`](Self::stop).
     pub fn restart(&mut self) {
+        assert!(
+            self.spawn(),
+            "mosquitto could not listen on port {} again (another process has it); see {}",
+            self.port,
+            self.dir.path().join("mosquitto.log").display()
+        );
+    }
+
+    /// Start the broker on `self.port`; false when another process holds that port.
+    fn spawn(&mut self) -> bool {
         assert!(self.child.is_none(), "mosquitto is already running");
-        let child = std::process::Command::new("mosquitto")
+        let mut child = std::process::Command::new("mosquitto")
             .arg("-c")
             .arg(self.dir.path().join("mosquitto.conf"))
             .stdin(std::process::Stdio::null())
@@ -532,17 +574,15 @@ impl Mosquitto {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("mosquitto starts (install it: apt-get install mosquitto)");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "mosquitto on port {} did not come up; see {}",
-                self.port,
-                self.dir.path().join("mosquitto.log").display()
-            );
-            std::thread::sleep(Duration::from_millis(20));
+        // Ours once its process listens on the port: a broker that merely answers there may
+        // be another test's.
+        if !weir_queue::testing::wait_listening(&mut child, self.port, Duration::from_secs(10)) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return false;
         }
+        self.child = Some(child);
+        true
     }
 
     /// The last `n` lines of the broker's log (for a test's failure message).

@@ -14,6 +14,58 @@ pub fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
+/// Whether process `pid` holds a socket listening on TCP port `port` (read from `/proc`).
+/// A free port is only free when it is probed: another test's server may bind it first,
+/// and then ours fails to start while the port answers all the same, so that two tests
+/// would share one server. A server is ours once this holds.
+pub fn listens_on(pid: u32, port: u16) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    let sockets: std::collections::HashSet<String> = fds
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+        std::fs::read_to_string(table)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .any(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let local_port = f
+                    .get(1)
+                    .and_then(|a| a.rsplit(':').next())
+                    .and_then(|h| u16::from_str_radix(h, 16).ok());
+                // State 0A is LISTEN; field 9 the socket's inode.
+                local_port == Some(port)
+                    && f.get(3) == Some(&"0A")
+                    && f.get(9).is_some_and(|i| sockets.contains(*i))
+            })
+    })
+}
+
+/// Until `child` listens on `port` (true), or has exited without doing so (false: the port
+/// was taken), for at most `within`.
+pub fn wait_listening(child: &mut Child, port: u16, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if listens_on(child.id(), port) {
+            return true;
+        }
+        if matches!(child.try_wait(), Ok(Some(_))) {
+            return false;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// A redis-server this test owns, with the append-only file on and fsynced on every write
 /// (weir's recommended settings), in a temporary directory.
 pub struct RedisServer {
@@ -30,8 +82,14 @@ impl RedisServer {
             dir,
             child: None,
         };
-        s.restart();
-        s
+        // A port another test's server took between the probe and ours: another port.
+        for _ in 0..5 {
+            if s.spawn() {
+                return s;
+            }
+            s.port = free_port();
+        }
+        panic!("redis-server found each of five free ports taken before it could listen");
     }
 
     pub fn url(&self) -> String {
@@ -49,6 +107,16 @@ impl RedisServer {
 
     /// Start the server again (on the same port and files) after [`stop`](Self::stop).
     pub fn restart(&mut self) {
+        assert!(
+            self.spawn(),
+            "redis-server could not listen on port {} again (another process has it); see {}",
+            self.port,
+            self.dir.path().join("redis.log").display()
+        );
+    }
+
+    /// Start the server on `self.port`; false when another process holds that port.
+    fn spawn(&mut self) -> bool {
         assert!(self.child.is_none(), "the server is already running");
         let log: PathBuf = self.dir.path().join("redis.log");
         let child = Command::new("redis-server")
@@ -63,6 +131,12 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts (install it: apt-get install redis-server)");
+        let mut child = child;
+        if !wait_listening(&mut child, self.port, Duration::from_secs(10)) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return false;
+        }
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -73,7 +147,7 @@ impl RedisServer {
                 if s.write_all(b"PING\r\n").is_ok()
                     && matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
                 {
-                    return;
+                    return true;
                 }
             }
             assert!(
@@ -129,28 +203,29 @@ impl RedisCluster {
             children: Vec::new(),
         };
         for i in 0..3 {
-            // Three different ports (a port just freed can be handed out again).
-            let port = (0..100)
-                .map(|_| free_cluster_port())
-                .find(|p| !c.ports.contains(p))
-                .expect("three different free ports");
-            let d = c.dir.path().join(format!("node-{i}"));
-            std::fs::create_dir(&d).expect("node directory");
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string()])
-                .args(["--bind", "127.0.0.1"])
-                .args(["--dir", &d.display().to_string()])
-                .args(["--cluster-enabled", "yes"])
-                .args(["--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", "5000"])
-                .args(["--appendonly", "yes", "--appendfsync", "always"])
-                .args(["--save", ""])
-                .args(["--logfile", &d.join("redis.log").display().to_string()])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server starts (install it: apt-get install redis-server)");
+            // A port another test's server took between the probe and ours: another port
+            // (and fresh files for it).
+            let (port, child) = (0..5)
+                .find_map(|attempt| {
+                    let d = c.dir.path().join(format!("node-{i}-{attempt}"));
+                    std::fs::create_dir(&d).expect("node directory");
+                    // Three different ports (a port just freed can be handed out again).
+                    let port = (0..100)
+                        .map(|_| free_cluster_port())
+                        .find(|p| !c.ports.contains(p))
+                        .expect("three different free ports");
+                    let mut child = Self::spawn_node(port, &d);
+                    if wait_listening(&mut child, port, Duration::from_secs(10)) {
+                        Some((port, child))
+                    } else {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        None
+                    }
+                })
+                .expect(
+                    "a cluster node found each of five free ports taken before it could listen",
+                );
             c.children.push(child);
             c.ports.push(port);
         }
@@ -175,6 +250,25 @@ impl RedisCluster {
             c.wait_for(p, b"CLUSTER INFO\r\n", b"cluster_state:ok");
         }
         c
+    }
+
+    /// One node of the cluster on `port`, its files in `dir`.
+    fn spawn_node(port: u16, d: &Path) -> Child {
+        Command::new("redis-server")
+            .args(["--port", &port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--dir", &d.display().to_string()])
+            .args(["--cluster-enabled", "yes"])
+            .args(["--cluster-config-file", "nodes.conf"])
+            .args(["--cluster-node-timeout", "5000"])
+            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .args(["--save", ""])
+            .args(["--logfile", &d.join("redis.log").display().to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts (install it: apt-get install redis-server)")
     }
 
     /// The nodes' process ids.
@@ -226,5 +320,34 @@ impl Drop for RedisCluster {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_that_answers_is_not_taken_for_a_server_of_ours() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(listens_on(std::process::id(), port), "this process listens");
+        let ours = RedisServer::start();
+        assert!(listens_on(ours.pid().unwrap(), ours.port));
+        assert!(!listens_on(std::process::id(), ours.port), "not this process");
+        // A second server sent to the first one's port cannot bind it, while the port goes
+        // on answering: only the process check tells the two apart.
+        let mut late = Command::new("redis-server")
+            .args(["--port", &ours.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        assert!(std::net::TcpStream::connect(("127.0.0.1", ours.port)).is_ok());
+        assert!(!wait_listening(&mut late, ours.port, Duration::from_secs(10)));
+        let _ = late.kill();
+        let _ = late.wait();
     }
 }
