@@ -119,7 +119,7 @@ impl RedisServer {
     fn spawn(&mut self) -> bool {
         assert!(self.child.is_none(), "the server is already running");
         let log: PathBuf = self.dir.path().join("redis.log");
-        let child = Command::new("redis-server")
+        let mut child = Command::new("redis-server")
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
             .args(["--dir", &self.dir.path().display().to_string()])
@@ -131,7 +131,6 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts (install it: apt-get install redis-server)");
-        let mut child = child;
         if !wait_listening(&mut child, self.port, Duration::from_secs(10)) {
             let _ = child.kill();
             let _ = child.wait();
