@@ -333,7 +333,10 @@ mod tests {
         assert!(listens_on(std::process::id(), port), "this process listens");
         let ours = RedisServer::start();
         assert!(listens_on(ours.pid().unwrap(), ours.port));
-        assert!(!listens_on(std::process::id(), ours.port), "not this process");
+        assert!(
+            !listens_on(std::process::id(), ours.port),
+            "not this process"
+        );
         // A second server sent to the first one's port cannot bind it, while the port goes
         // on answering: only the process check tells the two apart.
         let mut late = Command::new("redis-server")
@@ -345,7 +348,11 @@ mod tests {
             .spawn()
             .unwrap();
         assert!(std::net::TcpStream::connect(("127.0.0.1", ours.port)).is_ok());
-        assert!(!wait_listening(&mut late, ours.port, Duration::from_secs(10)));
+        assert!(!wait_listening(
+            &mut late,
+            ours.port,
+            Duration::from_secs(10)
+        ));
         let _ = late.kill();
         let _ = late.wait();
     }
