@@ -13,27 +13,39 @@ fn free_port() -> u16 {
 
 #[tokio::test]
 async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
-    let port = free_port();
     let broker = weir_testkit::Mosquitto::start();
     let data = tempfile::tempdir().unwrap();
     let queue = format!("sqlite:{}/queue.db", data.path().display());
-    let mut child = Command::new(weir_testkit::weir_bin())
-        .args([
-            "run",
-            concat!(env!("CARGO_MANIFEST_DIR"), "/flows"),
-            "--http",
-            &format!("127.0.0.1:{port}"),
-            "--queue",
-            &queue,
-            "--mqtt",
-            &broker.url(),
-            "--grace",
-            "5",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    // A port another test's process took between the probe and ours: another port.
+    let (mut child, port) = (0..5)
+        .find_map(|_| {
+            let port = free_port();
+            let mut child = Command::new(weir_testkit::weir_bin())
+                .args([
+                    "run",
+                    concat!(env!("CARGO_MANIFEST_DIR"), "/flows"),
+                    "--http",
+                    &format!("127.0.0.1:{port}"),
+                    "--queue",
+                    &queue,
+                    "--mqtt",
+                    &broker.url(),
+                    "--grace",
+                    "5",
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            if weir_queue::testing::wait_listening(&mut child, port, Duration::from_secs(20)) {
+                Some((child, port))
+            } else {
+                let _ = child.kill();
+                let _ = child.wait();
+                None
+            }
+        })
+        .expect("weir listens on one of five free ports");
     let base = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(20);
     while reqwest::get(format!("{base}/healthz")).await.is_err() {
