@@ -509,21 +509,27 @@ impl Mosquitto {
     /// With more configuration lines (another listener, say) after weir's test settings.
     pub fn start_with(extra: &str) -> Mosquitto {
         // A port another test's broker took between the probe and ours: another port.
+        let mut last = String::new();
         for _ in 0..5 {
-            if let Some(m) = Self::try_start_at(weir_queue::testing::free_port(), extra) {
-                return m;
+            match Self::try_start_at(weir_queue::testing::free_port(), extra) {
+                Ok(m) => return m,
+                Err(log) => last = log,
             }
         }
-        panic!("mosquitto found each of five free ports taken before it could listen");
+        panic!(
+            "mosquitto listened on none of five free ports (each taken, or it failed to start); \
+             its log ends:\n{last}"
+        );
     }
 
     fn start_at(port: u16, extra: &str) -> Mosquitto {
-        Self::try_start_at(port, extra).unwrap_or_else(|| {
-            panic!("mosquitto could not listen on port {port}: another process has it")
+        Self::try_start_at(port, extra).unwrap_or_else(|log| {
+            panic!("mosquitto could not listen on port {port}; its log ends:\n{log}")
         })
     }
 
-    fn try_start_at(port: u16, extra: &str) -> Option<Mosquitto> {
+    /// The broker on `port`, or the end of its log when it did not listen there.
+    fn try_start_at(port: u16, extra: &str) -> Result<Mosquitto, String> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let conf = format!(
             // `user root`: started as root, mosquitto would otherwise switch to the user
@@ -541,7 +547,11 @@ impl Mosquitto {
             dir,
             child: None,
         };
-        m.spawn().then_some(m)
+        if m.spawn() {
+            Ok(m)
+        } else {
+            Err(m.log_tail(20))
+        }
     }
 
     /// The broker's process id (for a benchmark reading its CPU time).
@@ -566,31 +576,25 @@ impl Mosquitto {
     /// Start the broker on `self.port`; false when another process holds that port.
     fn spawn(&mut self) -> bool {
         assert!(self.child.is_none(), "mosquitto is already running");
-        let mut child = std::process::Command::new("mosquitto")
+        let child = std::process::Command::new("mosquitto")
             .arg("-c")
             .arg(self.dir.path().join("mosquitto.conf"))
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(weir_queue::testing::append_to(
+                &self.dir.path().join("mosquitto.log"),
+            ))
             .spawn()
             .expect("mosquitto starts (install it: apt-get install mosquitto)");
         // Ours once its process listens on the port: a broker that merely answers there may
         // be another test's.
-        if !weir_queue::testing::wait_listening(&mut child, self.port, Duration::from_secs(10)) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return false;
-        }
-        self.child = Some(child);
-        true
+        self.child = weir_queue::testing::listening(child, self.port, Duration::from_secs(10));
+        self.child.is_some()
     }
 
     /// The last `n` lines of the broker's log (for a test's failure message).
     pub fn log_tail(&self, n: usize) -> String {
-        let log =
-            std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
+        weir_queue::testing::file_tail(&self.dir.path().join("mosquitto.log"), n)
     }
 
     /// SIGTERM (mosquitto saves its sessions and queued messages) and wait for the exit.

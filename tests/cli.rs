@@ -20,7 +20,7 @@ async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
     let (mut child, port) = (0..5)
         .find_map(|_| {
             let port = free_port();
-            let mut child = Command::new(weir_testkit::weir_bin())
+            let child = Command::new(weir_testkit::weir_bin())
                 .args([
                     "run",
                     concat!(env!("CARGO_MANIFEST_DIR"), "/flows"),
@@ -37,13 +37,8 @@ async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap();
-            if weir_queue::testing::wait_listening(&mut child, port, Duration::from_secs(20)) {
-                Some((child, port))
-            } else {
-                let _ = child.kill();
-                let _ = child.wait();
-                None
-            }
+            weir_queue::testing::listening(child, port, Duration::from_secs(20))
+                .map(|child| (child, port))
         })
         .expect("weir listens on one of five free ports");
     let base = format!("http://127.0.0.1:{port}");

@@ -52,22 +52,38 @@ pub fn listens_on(pid: u32, port: u16) -> bool {
     })
 }
 
-/// Until `child` listens on `port` (true), or has exited without doing so (false: the port
-/// was taken), for at most `within`.
-pub fn wait_listening(child: &mut Child, port: u16, within: Duration) -> bool {
+/// `child` once it listens on `port`. When it exits without doing so (the port was taken,
+/// or it failed to start) or `within` passes first, it is killed and reaped, and `None`.
+pub fn listening(mut child: Child, port: u16, within: Duration) -> Option<Child> {
     let deadline = Instant::now() + within;
     loop {
         if listens_on(child.id(), port) {
-            return true;
+            return Some(child);
         }
-        if matches!(child.try_wait(), Ok(Some(_))) {
-            return false;
-        }
-        if Instant::now() >= deadline {
-            return false;
+        if matches!(child.try_wait(), Ok(Some(_))) || Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Appends to the log file at `path`: a server's stderr, where it says why it did not start
+/// (a bad option, say) before it opens its own log, which it also writes in append mode.
+pub fn append_to(path: &Path) -> Stdio {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_or_else(|_| Stdio::null(), Stdio::from)
+}
+
+/// The last `n` lines of the text file at `path` (a server's log, for a failure message).
+pub fn file_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// A redis-server this test owns, with the append-only file on and fsynced on every write
@@ -93,7 +109,11 @@ impl RedisServer {
             }
             s.port = free_port();
         }
-        panic!("redis-server found each of five free ports taken before it could listen");
+        panic!(
+            "redis-server listened on none of five free ports (each taken, or it failed to \
+             start); its log ends:\n{}",
+            file_tail(&s.dir.path().join("redis.log"), 20)
+        );
     }
 
     pub fn url(&self) -> String {
@@ -123,7 +143,7 @@ impl RedisServer {
     fn spawn(&mut self) -> bool {
         assert!(self.child.is_none(), "the server is already running");
         let log: PathBuf = self.dir.path().join("redis.log");
-        let mut child = Command::new("redis-server")
+        let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
             .args(["--dir", &self.dir.path().display().to_string()])
@@ -132,14 +152,12 @@ impl RedisServer {
             .args(["--logfile", &log.display().to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(append_to(&log))
             .spawn()
             .expect("redis-server starts (install it: apt-get install redis-server)");
-        if !wait_listening(&mut child, self.port, Duration::from_secs(10)) {
-            let _ = child.kill();
-            let _ = child.wait();
+        let Some(child) = listening(child, self.port, Duration::from_secs(10)) else {
             return false;
-        }
+        };
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -208,27 +226,27 @@ impl RedisCluster {
         for i in 0..3 {
             // A port another test's server took between the probe and ours: another port
             // (and fresh files for it).
+            let mut last_log = PathBuf::new();
             let (port, child) = (0..5)
                 .find_map(|attempt| {
                     let d = c.dir.path().join(format!("node-{i}-{attempt}"));
                     std::fs::create_dir(&d).expect("node directory");
+                    last_log = d.join("redis.log");
                     // Three different ports (a port just freed can be handed out again).
                     let port = (0..100)
                         .map(|_| free_cluster_port())
                         .find(|p| !c.ports.contains(p))
                         .expect("three different free ports");
-                    let mut child = Self::spawn_node(port, &d);
-                    if wait_listening(&mut child, port, Duration::from_secs(10)) {
-                        Some((port, child))
-                    } else {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        None
-                    }
+                    let child = Self::spawn_node(port, &d);
+                    Some((port, listening(child, port, Duration::from_secs(10))?))
                 })
-                .expect(
-                    "a cluster node found each of five free ports taken before it could listen",
-                );
+                .unwrap_or_else(|| {
+                    panic!(
+                        "a cluster node listened on none of five free ports (each taken, or it \
+                         failed to start); its log ends:\n{}",
+                        file_tail(&last_log, 20)
+                    )
+                });
             c.children.push(child);
             c.ports.push(port);
         }
@@ -256,20 +274,20 @@ impl RedisCluster {
     }
 
     /// One node of the cluster on `port`, its files in `dir`.
-    fn spawn_node(port: u16, d: &Path) -> Child {
+    fn spawn_node(port: u16, dir: &Path) -> Child {
         Command::new("redis-server")
             .args(["--port", &port.to_string()])
             .args(["--bind", "127.0.0.1"])
-            .args(["--dir", &d.display().to_string()])
+            .args(["--dir", &dir.display().to_string()])
             .args(["--cluster-enabled", "yes"])
             .args(["--cluster-config-file", "nodes.conf"])
             .args(["--cluster-node-timeout", "5000"])
             .args(["--appendonly", "yes", "--appendfsync", "always"])
             .args(["--save", ""])
-            .args(["--logfile", &d.join("redis.log").display().to_string()])
+            .args(["--logfile", &dir.join("redis.log").display().to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(append_to(&dir.join("redis.log")))
             .spawn()
             .expect("redis-server starts (install it: apt-get install redis-server)")
     }
@@ -343,7 +361,7 @@ mod tests {
         );
         // A second server sent to the first one's port cannot bind it, while the port goes
         // on answering: only the process check tells the two apart.
-        let mut late = Command::new("redis-server")
+        let late = Command::new("redis-server")
             .args(["--port", &ours.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .stdin(Stdio::null())
@@ -352,12 +370,6 @@ mod tests {
             .spawn()
             .unwrap();
         assert!(std::net::TcpStream::connect(("127.0.0.1", ours.port)).is_ok());
-        assert!(!wait_listening(
-            &mut late,
-            ours.port,
-            Duration::from_secs(10)
-        ));
-        let _ = late.kill();
-        let _ = late.wait();
+        assert!(listening(late, ours.port, Duration::from_secs(10)).is_none());
     }
 }
