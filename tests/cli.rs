@@ -11,36 +11,42 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// Spawns `weir` as `command(port)` builds it for a free port, and returns it once it listens
+/// there. A port another test's process took between the probe and ours: another port.
+fn spawn_listening(mut command: impl FnMut(u16) -> Command) -> (std::process::Child, u16) {
+    (0..5)
+        .find_map(|_| {
+            let port = free_port();
+            let child = command(port).spawn().unwrap();
+            weir_queue::testing::listening(child, port, Duration::from_secs(20))
+                .map(|child| (child, port))
+        })
+        .expect("weir listens on one of five free ports")
+}
+
 #[tokio::test]
 async fn weir_run_serves_flows_and_exits_0_on_sigterm() {
     let broker = weir_testkit::Mosquitto::start();
     let data = tempfile::tempdir().unwrap();
     let queue = format!("sqlite:{}/queue.db", data.path().display());
-    // A port another test's process took between the probe and ours: another port.
-    let (mut child, port) = (0..5)
-        .find_map(|_| {
-            let port = free_port();
-            let child = Command::new(weir_testkit::weir_bin())
-                .args([
-                    "run",
-                    concat!(env!("CARGO_MANIFEST_DIR"), "/flows"),
-                    "--http",
-                    &format!("127.0.0.1:{port}"),
-                    "--queue",
-                    &queue,
-                    "--mqtt",
-                    &broker.url(),
-                    "--grace",
-                    "5",
-                ])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap();
-            weir_queue::testing::listening(child, port, Duration::from_secs(20))
-                .map(|child| (child, port))
-        })
-        .expect("weir listens on one of five free ports");
+    let (mut child, port) = spawn_listening(|port| {
+        let mut c = Command::new(weir_testkit::weir_bin());
+        c.args([
+            "run",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/flows"),
+            "--http",
+            &format!("127.0.0.1:{port}"),
+            "--queue",
+            &queue,
+            "--mqtt",
+            &broker.url(),
+            "--grace",
+            "5",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        c
+    });
     let base = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(20);
     while reqwest::get(format!("{base}/healthz")).await.is_err() {
@@ -223,17 +229,18 @@ async fn a_config_file_sits_below_the_environment_and_the_flags() {
         "nodes:\n  h: { type: webhook, path: echo, respond: wave, to: [r] }\n  r: { type: http-response, status: 201 }\n",
     )
     .unwrap();
-    let (file_port, env_port) = (free_port(), free_port());
     let conf = dir.path().join("weir.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            "flows = \"{}\"\nqueue = \"sqlite:{}/queue.db\"\nhttp = \"127.0.0.1:{file_port}\"\ngrace = 5\nretry_initial = \"2s\"\n\n[brokers]\ncloud = \"mqtt://127.0.0.1:1\"\n",
-            flows.display(),
-            dir.path().display()
-        ),
-    )
-    .unwrap();
+    let write_conf = |port: u16| {
+        std::fs::write(
+            &conf,
+            format!(
+                "flows = \"{}\"\nqueue = \"sqlite:{}/queue.db\"\nhttp = \"127.0.0.1:{port}\"\ngrace = 5\nretry_initial = \"2s\"\n\n[brokers]\ncloud = \"mqtt://127.0.0.1:1\"\n",
+                flows.display(),
+                dir.path().display()
+            ),
+        )
+        .unwrap()
+    };
     let up = |port: u16| async move {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -250,23 +257,28 @@ async fn a_config_file_sits_below_the_environment_and_the_flags() {
         }
     };
     // The file alone: its address, its flows, its queue.
-    let mut a = Command::new(weir_testkit::weir_bin())
-        .args(["run", "--config", &conf.display().to_string()])
-        .env_remove("WEIR_HTTP")
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let (mut a, file_port) = spawn_listening(|port| {
+        write_conf(port);
+        let mut c = Command::new(weir_testkit::weir_bin());
+        c.args(["run", "--config", &conf.display().to_string()])
+            .env_remove("WEIR_HTTP")
+            .stderr(Stdio::null());
+        c
+    });
     assert_eq!(up(file_port).await, 201);
     assert!(dir.path().join("queue.db").exists(), "the file's queue");
     let _ = a.kill();
     let _ = a.wait();
-    // The environment wins over the file.
-    let mut b = Command::new(weir_testkit::weir_bin())
-        .args(["run", "--config", &conf.display().to_string()])
-        .env("WEIR_HTTP", format!("127.0.0.1:{env_port}"))
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    // The environment wins over the file, whose port is held meanwhile (by us, or by
+    // whoever took it since): an engine that took the file's address would not start.
+    let _hold = std::net::TcpListener::bind(("127.0.0.1", file_port));
+    let (mut b, env_port) = spawn_listening(|port| {
+        let mut c = Command::new(weir_testkit::weir_bin());
+        c.args(["run", "--config", &conf.display().to_string()])
+            .env("WEIR_HTTP", format!("127.0.0.1:{port}"))
+            .stderr(Stdio::null());
+        c
+    });
     assert_eq!(up(env_port).await, 201);
     let _ = b.kill();
     let _ = b.wait();
