@@ -90,7 +90,7 @@ const MIGRATIONS: &[&str] = &[
     // weir that knows schema 2 refuses the file instead of reading new bodies as poison.
     "",
     // 4: `seq` without AUTOINCREMENT, which wrote the largest `seq` to `sqlite_sequence` at
-    // every journaled item (5 % of the writer's CPU an item in the pipelined queue bench). A
+    // every journaled item (about 3 % of the CPU an item in the pipelined queue bench). A
     // new row takes the one after the largest; a `seq` can come back only after the newest
     // row was deleted, and nothing outside a row's own life refers to it (claims carry their
     // lease too, and a row in flight is never deleted). SQLite cannot drop AUTOINCREMENT in
