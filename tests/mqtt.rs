@@ -88,6 +88,52 @@ async fn two_thousand_messages_in_through_a_function_and_out() {
     e.shutdown().await;
 }
 
+/// A journal write whose answer is lost after it went through: mqtt-in hears an error and
+/// adds the same messages again, as the same items, so each is journaled (and so published)
+/// once, and acknowledged to the broker only after the retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_answer_lost_is_retried_without_duplicates() {
+    let broker = Mosquitto::start();
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let fp = Failpoints::new();
+    fp.arm("add-reply-lost", 3);
+    let e = start_with(
+        &queue,
+        Some(&broker.url()),
+        &[("double.yaml", DOUBLE)],
+        fp.clone(),
+    )
+    .await;
+    let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    device.publish_numbers(0..300, 5).await;
+    wait_for("300 doubled messages", Duration::from_secs(60), || {
+        arrivals(&observer).len() == 300
+    })
+    .await;
+    assert!(!fp.hit("add-reply-lost"), "the failpoint fired three times");
+    // Everything journaled has run: a second copy of any message would have run too.
+    let q = e.queue.clone();
+    weir_testkit::eventually("the queue to be empty", Duration::from_secs(30), || {
+        let q = q.clone();
+        async move {
+            let s = q.stats().await.map_err(|e| e.to_string())?;
+            match (s.ready, s.in_flight) {
+                (0, 0) => Ok(()),
+                other => Err(format!("ready, in flight: {other:?}")),
+            }
+        }
+    })
+    .await;
+    let twice: Vec<_> = arrivals(&observer)
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .collect();
+    assert!(twice.is_empty(), "published more than once: {twice:?}");
+    e.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_with_five_thousand_in_flight_loses_none() {
     let broker = Mosquitto::start();

@@ -1462,10 +1462,15 @@ impl WorkQueue for SqliteQueue {
             insert_all(c, w, &rows)?;
             // Handed back to be freed here: freed on the writer's thread, memory allocated
             // on another one costs the writer the lock of that thread's allocator arena.
-            Ok(rows)
+            Ok((rows, w.failpoints.hit("add-reply-lost")))
         })
         .await
-        .map(drop)
+        .and_then(|(_, lost)| match lost {
+            false => Ok(()),
+            true => Err(QueueError::Unavailable(
+                "failpoint `add-reply-lost` fired (the add went through)".into(),
+            )),
+        })
     }
 
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {

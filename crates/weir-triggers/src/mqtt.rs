@@ -172,23 +172,41 @@ async fn journal(
                 Err(_) => break,
             }
         }
-        let items: Vec<WorkItem> = batch
-            .iter()
-            .flat_map(|p| {
-                let topic = p.topic.clone();
-                let msg = message(&topic, p.qos, p.retain, &p.payload);
-                routes.iter().map(move |r| {
-                    WorkItem::cascade(&r.flow, &r.node, format!("mqtt:{topic}"), vec![msg.clone()])
+        let build = || -> Vec<WorkItem> {
+            batch
+                .iter()
+                .flat_map(|p| {
+                    let topic = p.topic.clone();
+                    let msg = message(&topic, p.qos, p.retain, &p.payload);
+                    routes.iter().map(move |r| {
+                        WorkItem::cascade(
+                            &r.flow,
+                            &r.node,
+                            format!("mqtt:{topic}"),
+                            vec![msg.clone()],
+                        )
+                    })
                 })
-            })
-            .collect();
+                .collect()
+        };
+        let mut items = build();
+        // A retry adds the same items again, by id: an add whose answer was lost but that
+        // went through is then journaled once. Rebuilt only for a retry, not copied for
+        // every add.
+        let ids: Vec<_> = items.iter().map(|i| i.id).collect();
         let mut failures = 0u32;
         loop {
             // Shutting down: acknowledge nothing more; the broker redelivers to the next session.
             if !intake.is_open() || stop.is_cancelled() {
                 return;
             }
-            match queue.add(items.clone()).await {
+            if items.is_empty() {
+                items = build();
+                for (it, id) in items.iter_mut().zip(&ids) {
+                    it.id = *id;
+                }
+            }
+            match queue.add(std::mem::take(&mut items)).await {
                 Ok(()) => {
                     for r in &routes {
                         metrics::counter!("weir_events_total", "trigger" => "mqtt", "flow" => r.flow.clone())
