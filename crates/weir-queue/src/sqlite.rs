@@ -757,6 +757,16 @@ fn write_loop(
                     let a = guarded(&conn, &mut poison, || run(&conn, &mut w));
                     held.push(Held::Run(reply, a));
                 }
+                // Older claims are waiting: this one waits behind them. What this batch made
+                // ready goes to the oldest first (`serve_waiters` below), so a claim made
+                // later never takes an item ahead of one made earlier, and the executor,
+                // which starts each claim's items in the order it made the claims, starts
+                // them in journal order. (Items ready with claims waiting, after a batch
+                // was rolled back: served now as well.)
+                Job::Claim(x) if !w.waiters.is_empty() => {
+                    w.woke |= w.ready > 0;
+                    w.waiters.push(x);
+                }
                 Job::Claim(x) => {
                     let got = guarded(&conn, &mut poison, || {
                         claim_ready(&conn, &mut w, &x.consumer, x.max)
@@ -2045,6 +2055,68 @@ mod tests {
             .unwrap()
             .expect("the newest stays");
         assert!(matches!(newest.state, ItemState::Finished { .. }));
+    }
+
+    /// A claim made while older ones wait does not take, in the batch that journals it, an
+    /// item ahead of them: the oldest claim gets it. (The executor starts each claim's items
+    /// in the order it made its claims; a newer claim served first started a later item's
+    /// wave ahead of an earlier one's, out of journal order at a stateful node.)
+    #[tokio::test]
+    async fn a_new_claim_does_not_take_an_item_ahead_of_older_waiting_ones() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        /// Until `probe` holds, for 10 s at most.
+        async fn until<F: std::future::Future<Output = bool>>(what: &str, probe: impl Fn() -> F) {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while !probe().await {
+                assert!(std::time::Instant::now() < deadline, "never: {what}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let older = {
+            let q = q.clone();
+            tokio::spawn(async move { q.claim("older", 1, Duration::from_secs(3)).await })
+        };
+        until("the older claim waits in the writer", || async {
+            q.write(|_, w| Ok(w.waiters.len())).await.unwrap() == 1
+        })
+        .await;
+        // The writer is held busy while an add and then a new claim are sent, so that both
+        // come in its next batch, in that order.
+        let started = Arc::new(AtomicBool::new(false));
+        let busy = {
+            let (q, started) = (q.clone(), started.clone());
+            tokio::spawn(async move {
+                q.write(move |_, _| {
+                    started.store(true, Ordering::Release);
+                    std::thread::sleep(Duration::from_millis(300));
+                    Ok(())
+                })
+                .await
+            })
+        };
+        until("the writer is busy", || async {
+            started.load(Ordering::Acquire)
+        })
+        .await;
+        let it = item(1);
+        let id = it.id;
+        let mut add = Box::pin(q.add(vec![it]));
+        assert!(futures::poll!(&mut add).is_pending(), "the add is sent");
+        let mut newer = Box::pin(q.claim("newer", 1, Duration::from_millis(300)));
+        assert!(futures::poll!(&mut newer).is_pending(), "the claim is sent");
+        busy.await.unwrap().unwrap();
+        add.await.unwrap();
+        let got = older.await.unwrap().unwrap();
+        assert_eq!(
+            got.iter().map(|c| c.item.id).collect::<Vec<_>>(),
+            vec![id],
+            "the older claim gets the item"
+        );
+        assert!(
+            newer.await.unwrap().is_empty(),
+            "the newer one waited behind it and got none"
+        );
     }
 
     /// A file of schema 3 (`seq` AUTOINCREMENT) opens with every item where it was, in its
