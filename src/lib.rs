@@ -567,7 +567,7 @@ impl Mosquitto {
     pub fn restart(&mut self) {
         assert!(
             self.spawn(),
-            "mosquitto could not listen on port {} again (another process has it); see {}",
+            "mosquitto could not listen on port {} again (taken by another process, or it failed to start); see {}",
             self.port,
             self.dir.path().join("mosquitto.log").display()
         );

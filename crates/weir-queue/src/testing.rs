@@ -133,7 +133,7 @@ impl RedisServer {
     pub fn restart(&mut self) {
         assert!(
             self.spawn(),
-            "redis-server could not listen on port {} again (another process has it); see {}",
+            "redis-server could not listen on port {} again (taken by another process, or it failed to start); see {}",
             self.port,
             self.dir.path().join("redis.log").display()
         );
