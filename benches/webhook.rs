@@ -18,7 +18,7 @@
 //! `--features mimalloc` the same way (rate, CPU per event, idle memory).
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use axum::routing::post;
@@ -370,34 +370,61 @@ fn median(mut v: Vec<f64>, unit: &str) -> String {
 }
 
 /// `WEIR_BENCH_ONLY=alloc`: the default `weir` against the one built with `--features
-/// mimalloc` (built here, in a target directory of its own), on fresh engines
-/// in turn: the accepted load's rate, the engine's CPU per event, and the memory when idle.
+/// mimalloc` (built here, in a target directory of its own).
 async fn alloc_only(duration: Duration) {
-    let (glibc, mimalloc) = (weir_bin(), weir_bin_with("mimalloc"));
+    compare(
+        ("default", weir_bin()),
+        ("mimalloc", weir_bin_with("mimalloc")),
+        duration,
+    )
+    .await
+}
+
+/// `WEIR_BENCH_ONLY=ab`: two builds of `weir`, the binaries `WEIR_BENCH_A` and
+/// `WEIR_BENCH_B` (copy `target/release/weir` aside before and after a change).
+async fn ab_only(duration: Duration) {
+    let bin = |var: &str| {
+        let p = PathBuf::from(std::env::var(var).unwrap_or_else(|_| {
+            panic!("WEIR_BENCH_ONLY=ab compares the binaries WEIR_BENCH_A and WEIR_BENCH_B; {var} is not set")
+        }));
+        assert!(p.is_file(), "{var}={} is not a file", p.display());
+        p
+    };
+    compare(
+        ("A", bin("WEIR_BENCH_A")),
+        ("B", bin("WEIR_BENCH_B")),
+        duration,
+    )
+    .await
+}
+
+/// Two builds of `weir` on fresh engines in turn, `WEIR_BENCH_ROUNDS` times: the accepted
+/// load's rate, the engine's CPU per event, and the memory when idle, `b` against `a`.
+async fn compare((a_name, a): (&str, PathBuf), (b_name, b): (&str, PathBuf), duration: Duration) {
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
     let (mut rates, mut cpus, mut idle) = (Vec::new(), Vec::new(), [Vec::new(), Vec::new()]);
     for _ in 0..rounds() {
-        let g = accepted_over(&glibc, tmp.path(), (1, 1), &broker.url(), duration).await;
-        let m = accepted_over(&mimalloc, tmp.path(), (1, 1), &broker.url(), duration).await;
+        let x = accepted_over(&a, tmp.path(), (1, 1), &broker.url(), duration).await;
+        let y = accepted_over(&b, tmp.path(), (1, 1), &broker.url(), duration).await;
         println!(
-            "  mimalloc vs default: rate {:.2}×, engine CPU per event {:.2}×, idle {:+.1} MiB",
-            m.rate / g.rate,
-            m.cpu.as_secs_f64() / g.cpu.as_secs_f64(),
-            (m.idle_kib as f64 - g.idle_kib as f64) / 1024.0
+            "  {b_name} vs {a_name}: rate {:.2}×, engine CPU per event {:.2}×, idle {:+.1} MiB",
+            y.rate / x.rate,
+            y.cpu.as_secs_f64() / x.cpu.as_secs_f64(),
+            (y.idle_kib as f64 - x.idle_kib as f64) / 1024.0
         );
-        rates.push(m.rate / g.rate);
-        cpus.push(m.cpu.as_secs_f64() / g.cpu.as_secs_f64());
-        idle[0].push(g.idle_kib as f64 / 1024.0);
-        idle[1].push(m.idle_kib as f64 / 1024.0);
+        rates.push(y.rate / x.rate);
+        cpus.push(y.cpu.as_secs_f64() / x.cpu.as_secs_f64());
+        idle[0].push(x.idle_kib as f64 / 1024.0);
+        idle[1].push(y.idle_kib as f64 / 1024.0);
     }
-    let [g_idle, m_idle] = idle;
+    let [a_idle, b_idle] = idle;
     println!(
-        "\n--features mimalloc vs the default build (fresh engines, alternating): rate {}, engine CPU per event {}; idle default {}, mimalloc {} | target ≤ 15 MiB idle",
+        "\n{b_name} vs {a_name} (fresh engines, alternating): rate {}, engine CPU per event {}; idle {a_name} {}, {b_name} {} | target ≤ 15 MiB idle",
         median(rates, "×"),
         median(cpus, "×"),
-        median(g_idle, " MiB"),
-        median(m_idle, " MiB")
+        median(a_idle, " MiB"),
+        median(b_idle, " MiB")
     );
 }
 
@@ -406,6 +433,7 @@ async fn bench() {
     match std::env::var("WEIR_BENCH_ONLY").as_deref() {
         Ok("flows") => return flows_only(duration).await,
         Ok("alloc") => return alloc_only(duration).await,
+        Ok("ab") => return ab_only(duration).await,
         _ => {}
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -382,6 +382,16 @@ struct Waiter {
     max: usize,
     deadline: std::time::Instant,
     reply: oneshot::Sender<ClaimAnswer>,
+    /// Items journaled in this transaction straight into its claim (`insert_all`): written
+    /// once as in flight, where a claim afterwards would read each row back and rewrite it.
+    /// Handed out by `serve_waiters` at the end of the same transaction.
+    taken: Vec<Taken>,
+}
+
+impl Waiter {
+    fn has_room(&self) -> bool {
+        self.taken.len() < self.max && !self.reply.is_closed()
+    }
 }
 
 type Answer = Result<Box<dyn Any + Send>, QueueError>;
@@ -934,7 +944,8 @@ fn expire_waiters(w: &mut Writer) {
     }
 }
 
-/// Claim what is ready for the waiting claimers, oldest claimer first, until nothing is left.
+/// Answer the waiting claimers that were given items in this transaction (`insert_all`),
+/// and claim what is ready for them, oldest claimer first, until nothing is left.
 fn serve_waiters(
     conn: &Connection,
     w: &mut Writer,
@@ -944,20 +955,36 @@ fn serve_waiters(
     let waiting = std::mem::take(&mut w.waiters);
     let mut rest = Vec::new();
     let mut dry = false;
-    for x in waiting {
+    for mut x in waiting {
+        let mut taken = std::mem::take(&mut x.taken);
+        // Answered even when the claimer has gone: its items become orphans, ready again.
+        if !taken.is_empty() && (taken.len() >= x.max || x.reply.is_closed() || dry) {
+            held.push(Held::Claim(x, Ok(taken)));
+            continue;
+        }
         if dry || x.reply.is_closed() {
             if !x.reply.is_closed() {
                 rest.push(x);
             }
             continue;
         }
-        let got = guarded(conn, poison, || claim_ready(conn, w, &x.consumer, x.max));
+        let room = x.max - taken.len();
+        let got = guarded(conn, poison, || claim_ready(conn, w, &x.consumer, room));
         match got {
-            Ok(items) if items.is_empty() => {
+            Ok(items) if items.is_empty() && taken.is_empty() => {
                 dry = true;
                 rest.push(x);
             }
-            got => held.push(Held::Claim(x, got)),
+            Ok(items) => {
+                dry = items.len() < room;
+                taken.extend(items);
+                held.push(Held::Claim(x, Ok(taken)));
+            }
+            Err(e) if taken.is_empty() => held.push(Held::Claim(x, Err(e))),
+            // It could not be given more: it is answered with what it was given, which
+            // would otherwise stay in flight. (If the batch is rolled back, the claimer
+            // waits on: nothing was claimed.)
+            Err(_) => held.push(Held::Claim(x, Ok(taken))),
         }
     }
     w.waiters = rest;
@@ -1029,6 +1056,12 @@ fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueErro
 
 /// Journal `rows` with one prepared statement (a look-up in the statement cache per batch,
 /// not per row).
+///
+/// A row ready now, with nothing else ready and a claimer waiting with room, is journaled
+/// already claimed for it: one write of the row, not an insert, then a read and a rewrite
+/// of the whole row by `claim_ready`. It is what that claim would have taken, in the same
+/// order: nothing else was ready, the oldest claimer with room gets it, and once one row
+/// has gone to the ready order the rest follow it there.
 fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), QueueError> {
     // An id seen before is the same item added again (a retried add): keep the first.
     let mut ins = c.prepare_cached(
@@ -1043,6 +1076,12 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
             }
             None => {
                 w.ord += 1;
+                if w.ready == 0 {
+                    if let Some(x) = w.waiters.iter_mut().position(|x| x.has_room()) {
+                        insert_claimed(c, w, x, row)?;
+                        continue;
+                    }
+                }
                 ("waiting", Some(w.ord))
             }
         };
@@ -1061,6 +1100,51 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
             w.woke = true;
         }
     }
+    Ok(())
+}
+
+/// Journal `row` in flight, claimed for the waiting claimer `w.waiters[x]`.
+fn insert_claimed(
+    c: &Connection,
+    w: &mut Writer,
+    x: usize,
+    row: &Encoded,
+) -> Result<(), QueueError> {
+    let lease = w.lease + 1;
+    let deliveries = row.deliveries + 1;
+    let now = now_ms();
+    let n = c
+        .prepare_cached(
+            "INSERT OR IGNORE INTO items
+               (id, flow, st, ord, deliveries, enqueued_at, body, lease, consumer, since)
+             VALUES (?1, ?2, 'in_flight', ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )?
+        .execute(params![
+            row.id,
+            row.flow,
+            w.ord,
+            deliveries,
+            row.enqueued_at,
+            row.body,
+            lease as i64,
+            w.waiters[x].consumer,
+            now
+        ])?;
+    if n == 0 {
+        return Ok(());
+    }
+    w.lease = lease;
+    w.woke = true;
+    w.waiters[x].taken.push(Taken {
+        seq: c.last_insert_rowid(),
+        lease,
+        deliveries,
+        stepped: false,
+        body: row.body.clone(),
+        id: row.id.clone(),
+        flow: row.flow.clone(),
+        enqueued_at: row.enqueued_at,
+    });
     Ok(())
 }
 
@@ -1545,6 +1629,7 @@ impl WorkQueue for SqliteQueue {
                 max,
                 deadline: std::time::Instant::now() + wait,
                 reply,
+                taken: Vec::new(),
             }))
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
         let taken = rx
@@ -2057,6 +2142,126 @@ mod tests {
         assert!(matches!(newest.state, ItemState::Finished { .. }));
     }
 
+    /// Until `probe` holds, for 10 s at most.
+    async fn until<F: std::future::Future<Output = bool>>(what: &str, probe: impl Fn() -> F) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !probe().await {
+            assert!(std::time::Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// A claim by `consumer` for at most `max` items, once it waits in the writer.
+    async fn waiting_claim(
+        q: &Arc<SqliteQueue>,
+        consumer: &'static str,
+        max: usize,
+    ) -> tokio::task::JoinHandle<Result<Vec<Claimed>, QueueError>> {
+        let before = q.write(|_, w| Ok(w.waiters.len())).await.unwrap();
+        let claim = {
+            let q = q.clone();
+            tokio::spawn(async move { q.claim(consumer, max, Duration::from_secs(5)).await })
+        };
+        until("the claim waits in the writer", || async {
+            q.write(|_, w| Ok(w.waiters.len())).await.unwrap() > before
+        })
+        .await;
+        claim
+    }
+
+    fn ids(got: &[Claimed]) -> Vec<Ulid> {
+        got.iter().map(|c| c.item.id).collect()
+    }
+
+    /// Items added while claimers wait are journaled already claimed (one write of each
+    /// row): each goes to the oldest claimer with room, in the order added, counted as
+    /// delivered once, held by its claimer in the file, and committed like any claimed item.
+    #[tokio::test]
+    async fn items_added_while_claims_wait_are_journaled_claimed_in_order() {
+        let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let a = waiting_claim(&q, "a", 2).await;
+        let b = waiting_claim(&q, "b", 2).await;
+        let items: Vec<WorkItem> = (0..3).map(item).collect();
+        let want: Vec<Ulid> = items.iter().map(|i| i.id).collect();
+        let changes = || q.write(|c, _| Ok(c.total_changes()));
+        let before = changes().await.unwrap();
+        q.add(items).await.unwrap();
+        let (a, b) = (a.await.unwrap().unwrap(), b.await.unwrap().unwrap());
+        assert_eq!(
+            changes().await.unwrap() - before,
+            3,
+            "one row written per item, not an insert and then a claim's update"
+        );
+        assert_eq!(ids(&a), want[..2], "the older claimer gets the first two");
+        assert_eq!(ids(&b), want[2..], "the next one gets the third");
+        for (c, who) in a.iter().map(|c| (c, "a")).chain(b.iter().map(|c| (c, "b"))) {
+            assert_eq!(c.item.deliveries, 1);
+            assert_eq!(c.consumer, who);
+            let v = q.get(c.item.id).await.unwrap().expect("journaled");
+            assert!(
+                matches!(&v.state, ItemState::InFlight { consumer, .. } if consumer == who),
+                "in flight for {who} in the file: {:?}",
+                v.state
+            );
+            assert_eq!(v.item.deliveries, 1);
+        }
+        assert_eq!(q.write(|_, w| Ok(w.ready)).await.unwrap(), 0);
+        for c in a.iter().chain(&b) {
+            let r = q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap();
+            assert_eq!(r, Committed::Done);
+        }
+        let st = q.stats().await.unwrap();
+        assert_eq!((st.ready, st.in_flight), (0, 0));
+    }
+
+    /// An item made ready in a transaction keeps its place ahead of items added after it in
+    /// the same transaction: those are not handed to a waiting claimer directly, past it.
+    #[tokio::test]
+    async fn an_item_added_does_not_pass_one_made_ready_before_it() {
+        let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let mut later = item(0);
+        later.not_before = Some(now_ms() + 3_600_000);
+        let (first, second) = (later.id, item(1));
+        let second_id = second.id;
+        q.add(vec![later]).await.unwrap();
+        let claim = waiting_claim(&q, "a", 5).await;
+        // One transaction: the delayed item made ready, then a new item added.
+        let rows = Encoded::all(vec![second]).unwrap();
+        q.write(move |c, w| {
+            make_ready(c, w, "SELECT seq FROM items WHERE st = 'delayed'", [])?;
+            insert_all(c, w, &rows)
+        })
+        .await
+        .unwrap();
+        let got = claim.await.unwrap().unwrap();
+        assert_eq!(ids(&got), vec![first, second_id], "in the order made ready");
+    }
+
+    /// A transaction that gave a waiting claimer items and was then rolled back gave it
+    /// nothing: the add is told it failed, no row is left in flight, and the claimer goes
+    /// on waiting and gets the next item.
+    #[tokio::test]
+    async fn items_given_to_a_claim_in_a_rolled_back_batch_were_never_journaled() {
+        let fp = Failpoints::new();
+        let q = Arc::new(SqliteQueue::temporary(fp.clone()).unwrap());
+        let claim = waiting_claim(&q, "a", 5).await;
+        let lost = item(0);
+        let lost_id = lost.id;
+        fp.arm("sqlite-batch", 1);
+        assert!(q.add(vec![lost]).await.is_err(), "the add is told");
+        assert!(q.get(lost_id).await.unwrap().is_none(), "nothing journaled");
+        assert_eq!(q.stats().await.unwrap().in_flight, 0);
+        let next = item(1);
+        let next_id = next.id;
+        q.add(vec![next]).await.unwrap();
+        let got = claim.await.unwrap().unwrap();
+        assert_eq!(
+            ids(&got),
+            vec![next_id],
+            "the claimer waited on and got the next"
+        );
+    }
+
     /// A claim made while older ones wait does not take, in the batch that journals it, an
     /// item ahead of them: the oldest claim gets it. (The executor starts each claim's items
     /// in the order it made its claims; a newer claim served first started a later item's
@@ -2064,23 +2269,8 @@ mod tests {
     #[tokio::test]
     async fn a_new_claim_does_not_take_an_item_ahead_of_older_waiting_ones() {
         use std::sync::atomic::{AtomicBool, Ordering};
-        /// Until `probe` holds, for 10 s at most.
-        async fn until<F: std::future::Future<Output = bool>>(what: &str, probe: impl Fn() -> F) {
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while !probe().await {
-                assert!(std::time::Instant::now() < deadline, "never: {what}");
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
         let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
-        let older = {
-            let q = q.clone();
-            tokio::spawn(async move { q.claim("older", 1, Duration::from_secs(3)).await })
-        };
-        until("the older claim waits in the writer", || async {
-            q.write(|_, w| Ok(w.waiters.len())).await.unwrap() == 1
-        })
-        .await;
+        let older = waiting_claim(&q, "older", 1).await;
         // The writer is held busy while an add and then a new claim are sent, so that both
         // come in its next batch, in that order.
         let started = Arc::new(AtomicBool::new(false));
