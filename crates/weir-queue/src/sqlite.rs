@@ -1054,8 +1054,8 @@ fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueErro
     insert_all(c, w, std::slice::from_ref(row))
 }
 
-/// Journal `rows` with one prepared statement (a look-up in the statement cache per batch,
-/// not per row).
+/// Journal `rows` with prepared statements looked up in the statement cache once per batch,
+/// not per row.
 ///
 /// A row ready now, with nothing else ready and a claimer waiting with room, is journaled
 /// already claimed for it: one write of the row, not an insert, then a read and a rewrite
@@ -1068,6 +1068,7 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
         "INSERT OR IGNORE INTO items (id, flow, st, ord, due, deliveries, enqueued_at, body)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )?;
+    let mut ins_claimed = None;
     for row in rows {
         let (st, ord) = match row.due {
             Some(t) => {
@@ -1077,8 +1078,12 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
             None => {
                 w.ord += 1;
                 if w.ready == 0 {
-                    if let Some(x) = w.waiters.iter_mut().position(|x| x.has_room()) {
-                        insert_claimed(c, w, x, row)?;
+                    if let Some(x) = w.waiters.iter().position(Waiter::has_room) {
+                        let ins = match &mut ins_claimed {
+                            Some(s) => s,
+                            None => ins_claimed.insert(c.prepare_cached(INSERT_CLAIMED_SQL)?),
+                        };
+                        insert_claimed(ins, c, w, x, row)?;
                         continue;
                     }
                 }
@@ -1103,8 +1108,15 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
     Ok(())
 }
 
-/// Journal `row` in flight, claimed for the waiting claimer `w.waiters[x]`.
+/// A new row already in flight (`insert_claimed`).
+const INSERT_CLAIMED_SQL: &str = "INSERT OR IGNORE INTO items
+        (id, flow, st, ord, deliveries, enqueued_at, body, lease, consumer, since)
+    VALUES (?1, ?2, 'in_flight', ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
+
+/// Journal `row` in flight (with `ins`, `INSERT_CLAIMED_SQL`), claimed for the waiting
+/// claimer `w.waiters[x]`.
 fn insert_claimed(
+    ins: &mut rusqlite::CachedStatement<'_>,
     c: &Connection,
     w: &mut Writer,
     x: usize,
@@ -1112,24 +1124,17 @@ fn insert_claimed(
 ) -> Result<(), QueueError> {
     let lease = w.lease + 1;
     let deliveries = row.deliveries + 1;
-    let now = now_ms();
-    let n = c
-        .prepare_cached(
-            "INSERT OR IGNORE INTO items
-               (id, flow, st, ord, deliveries, enqueued_at, body, lease, consumer, since)
-             VALUES (?1, ?2, 'in_flight', ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        )?
-        .execute(params![
-            row.id,
-            row.flow,
-            w.ord,
-            deliveries,
-            row.enqueued_at,
-            row.body,
-            lease as i64,
-            w.waiters[x].consumer,
-            now
-        ])?;
+    let n = ins.execute(params![
+        row.id,
+        row.flow,
+        w.ord,
+        deliveries,
+        row.enqueued_at,
+        row.body,
+        lease as i64,
+        w.waiters[x].consumer,
+        now_ms()
+    ])?;
     if n == 0 {
         return Ok(());
     }

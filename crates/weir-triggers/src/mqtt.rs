@@ -189,24 +189,25 @@ async fn journal(
                 })
                 .collect()
         };
-        let mut items = build();
         // A retry adds the same items again, by id: an add whose answer was lost but that
         // went through is then journaled once. Rebuilt only for a retry, not copied for
         // every add.
-        let ids: Vec<_> = items.iter().map(|i| i.id).collect();
+        let mut first = Some(build());
+        let ids: Vec<_> = first.iter().flatten().map(|i| i.id).collect();
         let mut failures = 0u32;
         loop {
             // Shutting down: acknowledge nothing more; the broker redelivers to the next session.
             if !intake.is_open() || stop.is_cancelled() {
                 return;
             }
-            if items.is_empty() {
-                items = build();
-                for (it, id) in items.iter_mut().zip(&ids) {
+            let items = first.take().unwrap_or_else(|| {
+                let mut again = build();
+                for (it, id) in again.iter_mut().zip(&ids) {
                     it.id = *id;
                 }
-            }
-            match queue.add(std::mem::take(&mut items)).await {
+                again
+            });
+            match queue.add(items).await {
                 Ok(()) => {
                     for r in &routes {
                         metrics::counter!("weir_events_total", "trigger" => "mqtt", "flow" => r.flow.clone())
