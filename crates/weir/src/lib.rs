@@ -389,13 +389,16 @@ impl Engine {
         if !queue.durable() {
             tracing::warn!("the queue is in memory: accepted events are lost if the process stops");
         }
-        match metrics::handle() {
-            Ok(_) => metrics::describe(),
-            Err(e) => tracing::warn!(error = e, "/metrics will not serve weir's metrics"),
-        }
         let stop = CancellationToken::new();
         let intake = Intake::open();
         let tracker = TaskTracker::new();
+        match metrics::handle() {
+            Ok(handle) => {
+                metrics::describe();
+                tracker.spawn(metrics::upkeep(handle, stop.clone()));
+            }
+            Err(e) => tracing::warn!(error = e, "/metrics will not serve weir's metrics"),
+        }
         let (hooks, routes) =
             weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone());
         let triggers = stop.child_token();

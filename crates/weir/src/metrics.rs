@@ -3,10 +3,16 @@
 //! The recorder is process-wide (metrics has one global recorder): the first engine installs
 //! it, later ones in the same process share it. An embedder that installed a recorder of
 //! its own keeps it, and `/metrics` says so.
+//!
+//! The recorder keeps every histogram sample until it is folded into its buckets, which it
+//! does at a scrape or an upkeep; each running engine runs the upkeep ([`upkeep`]), so an
+//! engine that nobody scrapes does not grow by every sample it records.
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio_util::sync::CancellationToken;
 
 static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
 
@@ -35,6 +41,25 @@ pub fn handle() -> Result<&'static PrometheusHandle, &'static str> {
         })
         .as_ref()
         .map_err(String::as_str)
+}
+
+/// How often the samples histograms recorded are folded into their buckets. Until then the
+/// recorder holds each one (about 8 bytes; under a webhook load, three or so an event), so
+/// this bounds what it holds to about a second's worth.
+pub const UPKEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Fold the recorded histogram samples into their buckets every [`UPKEEP_EVERY`] until `stop`.
+/// `metrics-exporter-prometheus` does this by itself only when it serves the scrapes;
+/// `/metrics` is weir's own route, so the engine does it.
+pub async fn upkeep(handle: &'static PrometheusHandle, stop: CancellationToken) {
+    let mut every = tokio::time::interval(UPKEEP_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = every.tick() => handle.run_upkeep(),
+        }
+    }
 }
 
 /// Describe the metrics once, so that `/metrics` carries their help text.
