@@ -395,3 +395,81 @@ fn one_webhook_flow(dir: &std::path::Path) -> String {
     .unwrap();
     flows.display().to_string()
 }
+
+/// A script's `print` and a node's failure name the flow, the node and the item in the log,
+/// so that the lines of a busy engine can be told apart and found by the item's id.
+#[tokio::test]
+async fn a_scripts_print_and_a_node_failure_name_their_flow_node_and_item() {
+    let data = tempfile::tempdir().unwrap();
+    let flows = data.path().join("flows");
+    std::fs::create_dir_all(&flows).unwrap();
+    std::fs::write(
+        flows.join("printer.yaml"),
+        r#"id: printer
+nodes:
+  hook: { type: webhook, path: check, to: [check] }
+  check:
+    type: function
+    script: |
+      print("checking " + msg.payload.n);
+      if msg.payload.n > 1 { throw "too big" }
+      msg
+"#,
+    )
+    .unwrap();
+    let log = data.path().join("weir.log");
+    let mut child = Command::new(weir_testkit::weir_bin())
+        .arg("run")
+        .arg(&flows)
+        .args(["--queue", "memory", "--http", "127.0.0.1:0"])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let addr = loop {
+        let text = read();
+        if let Some(line) = text.lines().find(|l| l.contains("weir engine started")) {
+            let at = line.split("addr=").nth(1).unwrap_or("");
+            break at.split_whitespace().next().unwrap_or("").to_string();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("no start line logged within 20 s:\n{text}");
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    };
+    let answer: serde_json::Value = reqwest::Client::new()
+        .post(format!("http://{addr}/hooks/check"))
+        .json(&serde_json::json!({ "n": 2 }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = answer["id"].as_str().unwrap().to_string();
+    let text = loop {
+        let text = read();
+        if text.contains("node failed") || Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = |what: &str| {
+        text.lines()
+            .find(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("no line with {what:?} in the log:\n{text}"))
+            .to_string()
+    };
+    for l in [line("checking 2"), line("node failed")] {
+        for want in ["flow=printer", "node=check", &format!("item={id}")] {
+            assert!(l.contains(want), "{want} missing from {l:?}");
+        }
+    }
+    assert!(line("node failed").contains("too big"), "{text}");
+}

@@ -49,7 +49,10 @@ impl Executor {
     ) {
         let mut permit = permit;
         let mut replied = false;
-        let span = tracing::info_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
+        // At debug level: a span at info costs each wave about 2 µs (4 % of an accepted
+        // event's CPU) in the subscriber's registry, filter and formatter. The events a wave
+        // logs at info and above carry their flow and item themselves.
+        let span = tracing::debug_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
         let started = std::time::Instant::now();
         async {
             for run in 0..CONFLICT_RERUNS {
@@ -65,7 +68,7 @@ impl Executor {
                 };
                 let (mut fx, mut extras) = match outcome {
                     Outcome::Abandon => {
-                        tracing::warn!("wave abandoned before its commit (failpoint); the item will be redelivered");
+                        tracing::warn!(flow = %c.item.flow, item = %c.item.id, "wave abandoned before its commit (failpoint); the item will be redelivered");
                         return;
                     }
                     Outcome::Commit(fx, extras) => (fx, extras),
@@ -85,7 +88,7 @@ impl Executor {
                         .await;
                 }
                 if let Err(e) = self.account_run(&c.item, &mut fx, extras.reached).await {
-                    tracing::warn!(error = %e, "cannot read the run's record; the item will be redelivered");
+                    tracing::warn!(flow = %c.item.flow, item = %c.item.id, error = %e, "cannot read the run's record; the item will be redelivered");
                     return;
                 }
                 match self.commit_with_retries(&c, fx).await {
@@ -111,6 +114,8 @@ impl Executor {
                                 if !matches!(&v.state, ItemState::InFlight { consumer, .. } if *consumer == c.consumer) =>
                             {
                                 tracing::warn!(
+                                    flow = %c.item.flow,
+                                    item = %c.item.id,
                                     state = v.state.name(),
                                     "commit refused: the item is no longer this engine's; not running it again"
                                 );
@@ -118,7 +123,7 @@ impl Executor {
                                 return;
                             }
                             _ => {
-                                tracing::debug!("commit conflict; running the wave again");
+                                tracing::debug!(flow = %c.item.flow, item = %c.item.id, "commit conflict; running the wave again");
                                 continue;
                             }
                         }
@@ -126,7 +131,7 @@ impl Executor {
                     None => return,
                 }
             }
-            tracing::warn!("wave kept conflicting; the item is left for redelivery");
+            tracing::warn!(flow = %c.item.flow, item = %c.item.id, "wave kept conflicting; the item is left for redelivery");
         }
         .instrument(span)
         .await
@@ -140,7 +145,7 @@ impl Executor {
         *replied = true;
         for r in replies {
             if let Err(e) = self.queue.post_reply(c.item.root_id(), r).await {
-                tracing::warn!(error = %e, "could not post the webhook reply");
+                tracing::warn!(flow = %c.item.flow, item = %c.item.id, error = %e, "could not post the webhook reply");
             }
         }
     }
@@ -162,6 +167,8 @@ impl Executor {
                             if v.state.name() != "in_flight" && v.state.name() != "waiting" =>
                         {
                             tracing::info!(
+                                flow = %c.item.flow,
+                                item = %c.item.id,
                                 state = v.state.name(),
                                 "a commit whose answer was lost had gone through"
                             );
@@ -173,12 +180,12 @@ impl Executor {
                 Ok(r) => return Some(r),
                 Err(e) if tokio::time::Instant::now() + delay < deadline => {
                     failed_before = true;
-                    tracing::warn!(error = %e, "commit failed; trying again");
+                    tracing::warn!(flow = %c.item.flow, item = %c.item.id, error = %e, "commit failed; trying again");
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(2));
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "commit failed; the item will be redelivered");
+                    tracing::error!(flow = %c.item.flow, item = %c.item.id, error = %e, "commit failed; the item will be redelivered");
                     return None;
                 }
             }
@@ -203,7 +210,7 @@ impl Executor {
                         }
                         Ok(_) => End::Park,
                         Err(e) => {
-                            tracing::warn!(error = %e, "cannot count the parked items");
+                            tracing::warn!(flow = %item.flow, item = %item.id, error = %e, "cannot count the parked items");
                             return Outcome::Abandon;
                         }
                     };
@@ -211,7 +218,7 @@ impl Executor {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the flow's pause state");
+                    tracing::warn!(flow = %item.flow, item = %item.id, error = %e, "cannot read the flow's pause state");
                     return Outcome::Abandon;
                 }
             }
@@ -234,7 +241,7 @@ impl Executor {
                     return Outcome::Commit(WaveEffects::ending(End::Superseded), Extras::default())
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot read a guard");
+                    tracing::warn!(flow = %item.flow, item = %item.id, error = %e, "cannot read a guard");
                     return Outcome::Abandon;
                 }
             }
@@ -309,7 +316,7 @@ impl Executor {
                 match self.queue.was_done(&done_key()).await {
                     Ok(r) => r,
                     Err(e) => {
-                        tracing::warn!(error = %e, "cannot read a done marker");
+                        tracing::warn!(flow = %item.flow, item = %item.id, node = %node.id, error = %e, "cannot read a done marker");
                         return Outcome::Abandon;
                     }
                 }
@@ -318,7 +325,7 @@ impl Executor {
             };
             let result = match recorded {
                 Some(outputs) => {
-                    tracing::debug!(node = %node.id, "side effect already done for this item; replaying its outputs");
+                    tracing::debug!(flow = %item.flow, item = %item.id, node = %node.id, "side effect already done for this item; replaying its outputs");
                     Ok(Emit(outputs))
                 }
                 None => {
@@ -361,7 +368,7 @@ impl Executor {
                             self.queue.mark_done(done_key(), emit.0.clone()).await
                         };
                         if let Err(e) = marked {
-                            tracing::warn!(error = %e, node = %node.id, "could not record a done marker; a redelivery may repeat this effect");
+                            tracing::warn!(flow = %item.flow, item = %item.id, node = %node.id, error = %e, "could not record a done marker; a redelivery may repeat this effect");
                         }
                         if self
                             .failpoints
@@ -392,7 +399,7 @@ impl Executor {
                     metrics::counter!("weir_node_failures_total", "kind" => node.kind.clone())
                         .increment(1);
                     f.counts[n].failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(node = %node.id, error = %e, "node failed");
+                    tracing::warn!(flow = %item.flow, item = %item.id, node = %node.id, deliveries = item.deliveries, error = %e, "node failed");
                     failures.push(format!("node `{}`: {e}", node.id));
                     self.failure(item, &node.id, node.retry, msg, e, &mut fx);
                 }

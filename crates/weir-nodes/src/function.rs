@@ -99,10 +99,11 @@ impl Node for Function {
         let mut scope = Scope::new();
         scope.push("msg", to_dynamic(&msg));
         scope.push("state", state.clone());
-        let out = self
-            .engine
-            .eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
-            .map_err(run_error)?;
+        let out = script::running(cx, || {
+            self.engine
+                .eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
+        })
+        .map_err(run_error)?;
         if self.uses_state {
             let writes = std::mem::take(&mut state.0.lock().unwrap_or_else(|p| p.into_inner()).1);
             for (k, v) in writes {

@@ -111,7 +111,7 @@ impl Node for Request {
     }
 
     async fn call(&self, mut msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
-        let url = self.url.render(&self.engine, &msg)?;
+        let url = script::running(cx, || self.url.render(&self.engine, &msg))?;
         let mut req = client()
             .request(self.method.clone(), &url)
             .timeout(self.timeout)

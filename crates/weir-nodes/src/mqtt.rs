@@ -542,9 +542,9 @@ impl Node for Out {
         true
     }
 
-    async fn call(&self, msg: Message, _cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+    async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let topic = match &self.topic {
-            Some(t) => t.render(&self.engine, &msg)?,
+            Some(t) => script::running(cx, || t.render(&self.engine, &msg))?,
             None => match msg.get("topic") {
                 Some(Value::String(t)) => t.clone(),
                 _ => {

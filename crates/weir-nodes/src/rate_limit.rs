@@ -210,7 +210,7 @@ impl RateLimit {
     }
 
     async fn arrive(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
-        let key = self.key_of(&msg)?;
+        let key = script::running(cx, || self.key_of(&msg))?;
         let (hk, tk) = (format!("head/{key}"), format!("tail/{key}"));
         let mut head = int(cx.get(&hk).await?);
         let tail = int(cx.get(&tk).await?);

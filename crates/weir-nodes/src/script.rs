@@ -1,11 +1,14 @@
 //! Rhai for scripts, conditions and `{{ expr }}` templates: compiled once at load, run with
 //! limits so a runaway script fails its one message, never the engine.
 
+use std::cell::RefCell;
+
 use rhai::{Dynamic, Engine, Scope, AST};
 use serde_json::Value;
+use ulid::Ulid as ItemId;
 use weir_flow::{Pos, Style};
 
-use crate::{ConfigError, NodeError};
+use crate::{ConfigError, NodeCx, NodeError};
 
 /// Operations a script may run for one message before it is stopped.
 pub const MAX_OPERATIONS: u64 = 1_000_000;
@@ -24,9 +27,25 @@ fn standard_library() -> rhai::Shared<rhai::Module> {
 pub fn engine() -> Engine {
     let mut e = Engine::new_raw();
     e.register_global_module(standard_library());
-    e.on_print(|text| tracing::info!(target: "weir::script", "{text}"));
+    e.on_print(|text| {
+        RUNNING.with(|r| match &*r.borrow() {
+            Running {
+                flow,
+                node,
+                item: Some(item),
+            } => {
+                tracing::info!(target: "weir::script", flow = %flow, node = %node, %item, "{text}")
+            }
+            _ => tracing::info!(target: "weir::script", "{text}"),
+        })
+    });
     e.on_debug(|text, source, pos| {
-        tracing::debug!(target: "weir::script", source = source.unwrap_or(""), %pos, "{text}")
+        RUNNING.with(|r| match &*r.borrow() {
+            Running { flow, node, item: Some(item) } => {
+                tracing::debug!(target: "weir::script", flow = %flow, node = %node, %item, %pos, "{text}")
+            }
+            _ => tracing::debug!(target: "weir::script", source = source.unwrap_or(""), %pos, "{text}"),
+        })
     });
     e.set_max_operations(MAX_OPERATIONS);
     e.set_max_call_levels(64);
@@ -35,6 +54,41 @@ pub fn engine() -> Engine {
     e.set_max_array_size(100_000);
     e.set_max_map_size(100_000);
     e
+}
+
+/// Whose script runs on this thread now: what its `print` and `debug` lines name. Scripts
+/// run synchronously, so the thread that starts one is the thread it prints on.
+#[derive(Default)]
+struct Running {
+    flow: String,
+    node: String,
+    item: Option<ItemId>,
+}
+
+thread_local! {
+    static RUNNING: RefCell<Running> = RefCell::new(Running::default());
+}
+
+/// Run `f`, which evaluates scripts of `cx`'s node, so that their `print` lines name the
+/// flow, the node and the item. (The wave's span is at debug level: it costs too much at
+/// info to make for every wave.)
+pub fn running<T>(cx: &NodeCx<'_>, f: impl FnOnce() -> T) -> T {
+    struct Done;
+    impl Drop for Done {
+        fn drop(&mut self) {
+            RUNNING.with(|r| r.borrow_mut().item = None);
+        }
+    }
+    RUNNING.with(|r| {
+        let mut r = r.borrow_mut();
+        r.flow.clear();
+        r.flow.push_str(cx.flow);
+        r.node.clear();
+        r.node.push_str(cx.node);
+        r.item = Some(cx.item.id);
+    });
+    let _done = Done;
+    f()
 }
 
 /// Where a script's own line:column lands in the flow file.

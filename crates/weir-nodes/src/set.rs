@@ -84,7 +84,7 @@ struct Set {
 
 #[async_trait::async_trait]
 impl Node for Set {
-    async fn call(&self, mut msg: Message, _cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+    async fn call(&self, mut msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let original = msg.clone();
         for (to, from) in &self.copy {
             let v = get_path(&original, from).cloned().unwrap_or(Value::Null);
@@ -93,7 +93,9 @@ impl Node for Set {
         for (path, v) in &self.sets {
             let v = match v {
                 SetValue::Literal(v) => v.clone(),
-                SetValue::Template(t) => Value::String(t.render(&self.engine, &original)?),
+                SetValue::Template(t) => {
+                    Value::String(script::running(cx, || t.render(&self.engine, &original))?)
+                }
             };
             set_path(&mut msg, path, v);
         }

@@ -81,11 +81,11 @@ struct Switch {
 
 #[async_trait::async_trait]
 impl Node for Switch {
-    async fn call(&self, msg: Message, _cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+    async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let mut ports = vec![Vec::new(); self.conds.len() + 1];
         let mut matched = false;
         for (i, ast) in self.conds.iter().enumerate() {
-            let v = script::eval(&self.engine, ast, &msg)?;
+            let v = script::running(cx, || script::eval(&self.engine, ast, &msg))?;
             let hit = v.as_bool().map_err(|t| {
                 NodeError::Permanent(format!("switch rule {} gave {t}, not true or false", i + 1))
             })?;
