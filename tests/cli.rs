@@ -354,34 +354,44 @@ fn weir_run_says_once_why_it_cannot_start() {
 async fn logs_to_a_file_carry_no_colour_codes() {
     let data = tempfile::tempdir().unwrap();
     let log = data.path().join("weir.log");
-    // Port 0: the test reads the log, not the port, and no other process can hold it.
-    let mut child = Command::new(weir_testkit::weir_bin())
-        .args(["run", &one_webhook_flow(data.path())])
-        .args(["--queue", "memory", "--http", "127.0.0.1:0"])
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let text = loop {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains("weir engine started") {
-            break text;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("no start line logged within 20 s:\n{text}");
-        }
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    };
+    let (mut child, _) = run_logging(&one_webhook_flow(data.path()), &log).await;
     let _ = child.kill();
     let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains(" INFO "), "{text}");
     assert!(
         !text.contains('\u{1b}'),
         "escape codes in a log file: {text:?}"
     );
+}
+
+/// `weir run FLOWS --queue memory` on a port of its own choosing, at the default log filter,
+/// its log written to `log`; once it has logged its start, the process and the address it
+/// listens on.
+async fn run_logging(flows: &str, log: &std::path::Path) -> (std::process::Child, String) {
+    // Port 0: the address is read from the log, and no other process can hold it.
+    let mut child = Command::new(weir_testkit::weir_bin())
+        .args(["run", flows])
+        .args(["--queue", "memory", "--http", "127.0.0.1:0"])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| l.contains("weir engine started")) {
+            let at = line.split("addr=").nth(1).unwrap_or("");
+            let at = at.split_whitespace().next().unwrap_or("").to_string();
+            return (child, at);
+        }
+        if Instant::now() > deadline || matches!(child.try_wait(), Ok(Some(_))) {
+            let _ = child.kill();
+            panic!("no start line logged within 20 s:\n{text}");
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
 }
 
 /// A flows directory under `dir` with one webhook flow and nothing that needs a broker.
@@ -418,29 +428,9 @@ nodes:
     )
     .unwrap();
     let log = data.path().join("weir.log");
-    let mut child = Command::new(weir_testkit::weir_bin())
-        .arg("run")
-        .arg(&flows)
-        .args(["--queue", "memory", "--http", "127.0.0.1:0"])
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let (mut child, addr) = run_logging(&flows.display().to_string(), &log).await;
     let read = || std::fs::read_to_string(&log).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let addr = loop {
-        let text = read();
-        if let Some(line) = text.lines().find(|l| l.contains("weir engine started")) {
-            let at = line.split("addr=").nth(1).unwrap_or("");
-            break at.split_whitespace().next().unwrap_or("").to_string();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("no start line logged within 20 s:\n{text}");
-        }
-        tokio::time::sleep(Duration::from_millis(30)).await;
-    };
     let answer: serde_json::Value = reqwest::Client::new()
         .post(format!("http://{addr}/hooks/check"))
         .json(&serde_json::json!({ "n": 2 }))
