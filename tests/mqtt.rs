@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use weir::Failpoints;
-use weir_testkit::{start_with, wait_for, Mosquitto, MqttPeer, WeirProcess};
+use weir_testkit::{eventually, get_json, start_with, wait_for, Mosquitto, MqttPeer, WeirProcess};
 
 const DOUBLE: &str = r#"
 id: double
@@ -57,17 +57,33 @@ async fn two_thousand_messages_in_through_a_function_and_out() {
         )
         .await
         .unwrap();
-    wait_for(
-        "2000 doubled messages and the text one",
-        Duration::from_secs(60),
-        || {
-            arrivals(&observer).len() == 2000
-                && observer
-                    .received()
-                    .iter()
-                    .any(|(_, p)| p == b"hello, not JSON")
-        },
-    )
+    // On a timeout, what the engine holds says where the missing messages are.
+    let started = std::time::Instant::now();
+    let within = Duration::from_secs(60);
+    eventually("2000 doubled messages and the text one", within, || async {
+        let seen = arrivals(&observer);
+        let text = observer
+            .received()
+            .iter()
+            .any(|(_, p)| p == b"hello, not JSON");
+        if seen.len() == 2000 && text {
+            return Ok(());
+        }
+        if started.elapsed() + Duration::from_secs(1) < within {
+            return Err(json!({ "arrived": seen.len() }));
+        }
+        let missing: Vec<u64> = (0..2000)
+            .filter(|n| !seen.contains_key(n))
+            .take(20)
+            .collect();
+        Err(json!({
+            "arrived": seen.len(),
+            "the text one": text,
+            "missing (the first 20)": missing,
+            "queue": get_json(&e, "/api/stats").await,
+            "dead letters": get_json(&e, "/api/dead-letters").await,
+        }))
+    })
     .await;
     for v in observer.json() {
         assert_eq!(
