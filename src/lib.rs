@@ -592,6 +592,11 @@ impl Mosquitto {
         self.child.is_some()
     }
 
+    /// The broker's whole log, across its restarts.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
+    }
+
     /// The last `n` lines of the broker's log (for a test's failure message).
     pub fn log_tail(&self, n: usize) -> String {
         weir_queue::testing::file_tail(&self.dir.path().join("mosquitto.log"), n)

@@ -539,3 +539,87 @@ async fn a_broker_down_at_start_is_waited_for_and_stops_nothing_else() {
     }
     e.shutdown().await;
 }
+
+/// A broker that comes back without its sessions (here: persistence off) has forgotten what
+/// the engine's publishing client had sent it unacknowledged, and the client drops what it
+/// still held queued. No wave may take such a publish for done: every message reaches the
+/// broker at least once (its own log lists what it received), however the restart falls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_forgets_its_sessions_still_gets_every_publish() {
+    const N: u64 = 600;
+    let mut broker = Mosquitto::start_with("persistence false\nlog_type all");
+    let e = start_with(
+        "memory",
+        Some(&broker.url()),
+        &[(
+            "out.yaml",
+            r#"
+id: out
+nodes:
+  hook: { type: webhook, path: out, to: [out] }
+  out: { type: mqtt-out, topic: "out/{{ msg.payload.n }}", qos: 1 }
+"#,
+        )],
+        Failpoints::new(),
+    )
+    .await;
+    let e = std::sync::Arc::new(e);
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let posters: Vec<_> = (0..8)
+        .map(|_| {
+            let (e, next) = (e.clone(), next.clone());
+            tokio::spawn(async move {
+                loop {
+                    let n = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if n >= N {
+                        return;
+                    }
+                    let r = weir_testkit::post_json(&e, "out", json!({ "n": n })).await;
+                    assert_eq!(r.status(), 202);
+                }
+            })
+        })
+        .collect();
+    wait_for("a third of the events in", Duration::from_secs(30), || {
+        next.load(std::sync::atomic::Ordering::SeqCst) >= N / 3
+    })
+    .await;
+    broker.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    broker.restart();
+    for p in posters {
+        p.await.unwrap();
+    }
+    // Every wave ended: nothing ready, in flight or waiting for a retry.
+    eventually("every wave ended", Duration::from_secs(90), || async {
+        let s = get_json(&e, "/api/stats").await;
+        let left = ["ready", "in_flight", "delayed"]
+            .iter()
+            .map(|k| s[k].as_u64().unwrap_or(1))
+            .sum::<u64>();
+        if left == 0 {
+            Ok(())
+        } else {
+            Err(s)
+        }
+    })
+    .await;
+    let log = broker.log();
+    let received: std::collections::HashSet<u64> = log
+        .lines()
+        .filter(|l| l.contains("Received PUBLISH from"))
+        .filter_map(|l| l.split("'out/").nth(1)?.split('\'').next()?.parse().ok())
+        .collect();
+    let missing: Vec<u64> = (0..N).filter(|n| !received.contains(n)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {N} publishes never reached the broker, though their waves ended: {missing:?}\n\
+         dead letters: {}",
+        missing.len(),
+        get_json(&e, "/api/dead-letters").await
+    );
+    // And none was given up on: a failed connection's publishes are retried, not left to
+    // time out until their item is dead-lettered.
+    let stats = get_json(&e, "/api/stats").await;
+    assert_eq!(stats["dead"], 0, "{stats}");
+}

@@ -224,18 +224,35 @@ pub fn reconnect_delay(n: u32) -> Duration {
     Duration::from_millis(100u64.saturating_mul(1 << n.min(6))).min(Duration::from_secs(5))
 }
 
-/// Callers waiting for their publish to be acknowledged.
+/// The callers of one publishing connection waiting for their publish to be acknowledged,
+/// in the order of their publishes.
 #[derive(Default)]
 struct Waiters {
     /// Queued, not yet given a packet id, oldest first.
     queued: VecDeque<oneshot::Sender<()>>,
     /// Sent, waiting for the broker's ack.
     sent: HashMap<u16, oneshot::Sender<()>>,
+    /// The connection failed: its callers were told, and it takes no more.
+    closed: bool,
 }
 
+/// One publishing connection, from its connect to its first failure. A failed connection is
+/// not reconnected: rumqttc would then resend, or (when the broker has lost the session)
+/// silently drop, the publishes it held, and its events could no longer be matched to their
+/// callers in order (a dropped publish's caller would be told "acknowledged" by the ack of a
+/// later one). So its callers are failed, to publish again through the next connection.
 struct Publisher {
     client: AsyncClient,
     waiters: Arc<Mutex<Waiters>>,
+}
+
+impl Publisher {
+    fn closed(&self) -> bool {
+        self.waiters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .closed
+    }
 }
 
 /// The engine's MQTT side shared by its nodes: the default broker and any named ones, and,
@@ -248,6 +265,8 @@ pub struct MqttHub {
     /// is refused at load (before that, as in `weir validate`, names are taken on trust).
     configured: std::sync::atomic::AtomicBool,
     publishers: tokio::sync::Mutex<HashMap<String, Arc<Publisher>>>,
+    /// Publishing connections that failed in a row, for the log.
+    failures: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl MqttHub {
@@ -309,33 +328,46 @@ impl MqttHub {
     async fn publisher(&self, name: Option<&str>) -> Result<Arc<Publisher>, NodeError> {
         let key = name.unwrap_or_default().to_string();
         let mut all = self.publishers.lock().await;
-        if let Some(p) = all.get(&key) {
+        if let Some(p) = all.get(&key).filter(|p| !p.closed()) {
             return Ok(p.clone());
         }
         let broker = self.broker(name).map_err(NodeError::permanent)?;
-        let (client, mut events) = AsyncClient::new(broker.options("out"), 4096);
+        // A clean session: a connection lives until its first failure and keeps nothing for
+        // the next (a persistent one would let the broker hold QoS 2 packet ids that the next
+        // connection, numbering from 1 again, would collide with).
+        let mut options = broker.options("out");
+        options.set_clean_session(true);
+        let (client, mut events) = AsyncClient::new(options, 4096);
         let waiters = Arc::new(Mutex::new(Waiters::default()));
         let w = waiters.clone();
         let address = broker.address();
-        // Owned by the hub: it ends when the hub (and so the client) is dropped.
+        let failures = self.failures.clone();
+        // Ends at the connection's first failure, or when the hub (and so the client) is
+        // dropped.
         tokio::spawn(async move {
-            let mut failures = 0u32;
+            use std::sync::atomic::Ordering::Relaxed;
             loop {
                 match events.poll().await {
                     Ok(ev) => {
-                        if failures > 0 {
+                        if matches!(ev, Event::Incoming(Packet::ConnAck(_)))
+                            && failures.swap(0, Relaxed) > 0
+                        {
                             tracing::info!(broker = %address, "publishing connection is back");
-                            failures = 0;
                         }
                         track(&w, ev);
                     }
                     Err(rumqttc::ConnectionError::RequestsDone) => return,
                     Err(e) => {
-                        failures += 1;
-                        if failures == 1 || failures.is_multiple_of(50) {
-                            tracing::warn!(broker = %address, error = %e, failures, "cannot publish to the broker; retrying");
+                        let n = failures.fetch_add(1, Relaxed) + 1;
+                        if n == 1 || n.is_multiple_of(50) {
+                            tracing::warn!(broker = %address, error = %e, failures = n, "cannot publish to the broker; the publishes waiting are retried through a new connection");
                         }
-                        tokio::time::sleep(reconnect_delay(failures)).await;
+                        // Its callers' senders go: each is told the publish was not acknowledged.
+                        let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+                        w.closed = true;
+                        w.queued.clear();
+                        w.sent.clear();
+                        return;
                     }
                 }
             }
@@ -365,13 +397,20 @@ impl MqttHub {
         {
             // Queue the caller and the packet together, so that their orders agree.
             let mut w = p.waiters.lock().unwrap_or_else(|e| e.into_inner());
+            if w.closed {
+                return Err(NodeError::transient(
+                    "the connection to the broker failed; publishing again later",
+                ));
+            }
             p.client
                 .try_publish(topic, qos, retain, payload)
                 .map_err(|e| NodeError::transient(format!("cannot queue the publish: {e}")))?;
             w.queued.push_back(tx);
         }
         rx.await.map_err(|_| {
-            NodeError::transient("the broker session was lost before it acknowledged the publish")
+            NodeError::transient(
+                "the connection to the broker failed before it acknowledged the publish",
+            )
         })
     }
 }
@@ -385,7 +424,8 @@ fn track(w: &Mutex<Waiters>, ev: Event) {
                 let _ = tx.send(());
             }
         }
-        // A packet id already waiting is a resend after a reconnect, not a new publish.
+        // A packet id already waiting is a resend, not a new publish (rumqttc resends only
+        // after a reconnect, which a connection here never makes: see `Publisher`).
         Event::Outgoing(Outgoing::Publish(pkid)) if !w.sent.contains_key(&pkid) => {
             if let Some(tx) = w.queued.pop_front() {
                 w.sent.insert(pkid, tx);
@@ -400,11 +440,6 @@ fn track(w: &Mutex<Waiters>, ev: Event) {
             if let Some(tx) = w.sent.remove(&c.pkid) {
                 let _ = tx.send(());
             }
-        }
-        Event::Incoming(Packet::ConnAck(c)) if !c.session_present => {
-            // A new session: the broker never got what was sent and unacknowledged; those
-            // callers fail (and retry) rather than wait for an ack that cannot come.
-            w.sent.clear();
         }
         _ => {}
     }
