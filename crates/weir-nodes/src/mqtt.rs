@@ -244,6 +244,9 @@ struct Waiters {
 struct Publisher {
     client: AsyncClient,
     waiters: Arc<Mutex<Waiters>>,
+    /// This broker's publishing connections that failed in a row, for the log; handed on
+    /// from each connection to the next.
+    failures: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl Publisher {
@@ -265,8 +268,6 @@ pub struct MqttHub {
     /// is refused at load (before that, as in `weir validate`, names are taken on trust).
     configured: std::sync::atomic::AtomicBool,
     publishers: tokio::sync::Mutex<HashMap<String, Arc<Publisher>>>,
-    /// Publishing connections that failed in a row, for the log.
-    failures: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl MqttHub {
@@ -328,9 +329,11 @@ impl MqttHub {
     async fn publisher(&self, name: Option<&str>) -> Result<Arc<Publisher>, NodeError> {
         let key = name.unwrap_or_default().to_string();
         let mut all = self.publishers.lock().await;
-        if let Some(p) = all.get(&key).filter(|p| !p.closed()) {
-            return Ok(p.clone());
-        }
+        let failures = match all.get(&key) {
+            Some(p) if !p.closed() => return Ok(p.clone()),
+            Some(p) => p.failures.clone(),
+            None => Default::default(),
+        };
         let broker = self.broker(name).map_err(NodeError::permanent)?;
         // A clean session: a connection lives until its first failure and keeps nothing for
         // the next (a persistent one would let the broker hold QoS 2 packet ids that the next
@@ -341,7 +344,7 @@ impl MqttHub {
         let waiters = Arc::new(Mutex::new(Waiters::default()));
         let w = waiters.clone();
         let address = broker.address();
-        let failures = self.failures.clone();
+        let f = failures.clone();
         // Ends at the connection's first failure, or when the hub (and so the client) is
         // dropped.
         tokio::spawn(async move {
@@ -350,7 +353,7 @@ impl MqttHub {
                 match events.poll().await {
                     Ok(ev) => {
                         if matches!(ev, Event::Incoming(Packet::ConnAck(_)))
-                            && failures.swap(0, Relaxed) > 0
+                            && f.swap(0, Relaxed) > 0
                         {
                             tracing::info!(broker = %address, "publishing connection is back");
                         }
@@ -358,7 +361,7 @@ impl MqttHub {
                     }
                     Err(rumqttc::ConnectionError::RequestsDone) => return,
                     Err(e) => {
-                        let n = failures.fetch_add(1, Relaxed) + 1;
+                        let n = f.fetch_add(1, Relaxed) + 1;
                         if n == 1 || n.is_multiple_of(50) {
                             tracing::warn!(broker = %address, error = %e, failures = n, "cannot publish to the broker; the publishes waiting are retried through a new connection");
                         }
@@ -372,7 +375,11 @@ impl MqttHub {
                 }
             }
         });
-        let p = Arc::new(Publisher { client, waiters });
+        let p = Arc::new(Publisher {
+            client,
+            waiters,
+            failures,
+        });
         all.insert(key, p.clone());
         Ok(p)
     }
