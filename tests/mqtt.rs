@@ -622,4 +622,7 @@ nodes:
     // time out until their item is dead-lettered.
     let stats = get_json(&e, "/api/stats").await;
     assert_eq!(stats["dead"], 0, "{stats}");
+    if let Ok(e) = std::sync::Arc::try_unwrap(e) {
+        e.shutdown().await;
+    }
 }
