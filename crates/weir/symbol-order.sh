@@ -15,7 +15,10 @@
 #
 # When: after a dependency or toolchain update (symbol names carry a hash of their crate's
 # build), or when the idle-memory figure of `cargo bench --bench webhook` grows. A stale file
-# costs memory, never correctness: names it no longer matches are ignored.
+# costs memory, never correctness: names it no longer matches are ignored. Names depend on
+# the build's features too, so the file is made from, and fits, the default build of
+# `cargo build --release -p weir`. `WEIR_SYMBOL_ORDER=0` at build time leaves the layout to
+# the linker (to measure what the order is worth).
 #
 # Needs: valgrind, mosquitto, curl. Takes about a minute after the build.
 set -euo pipefail
@@ -77,6 +80,7 @@ wait_for 30 test -s "$work/cg.out"
 # appears; in the order they first appear, which follows the run.
 names() { sed -nE 's/^c?fn=\([0-9]+\) (.*)$/\1/p' "$1" | awk '!seen[$0]++'; }
 nm --defined-only "$bin" | awk '$2 ~ /^[tTwW]$/ {print $3}' | sort -u >"$work/defined"
-{ names "$work/cg.out.1"; names "$work/cg.out"; } | awk '!seen[$0]++' \
+# `_start` (the C runtime's entry, before valgrind names anything) goes first.
+{ echo _start; names "$work/cg.out.1"; names "$work/cg.out"; } | awk '!seen[$0]++' \
     | awk 'NR == FNR {defined[$0] = 1; next} defined[$0]' "$work/defined" - >"$out"
 echo "symbol-order: $(wc -l <"$out") functions in $out ($(names "$work/cg.out.1" | wc -l) run by a start)"
