@@ -327,25 +327,27 @@ pub fn weir_bin() -> std::path::PathBuf {
     .clone()
 }
 
-/// The release `weir` binary built with `features` (say `mimalloc`), in a target directory
-/// of its own (`target/features-…`), so that the default binary beside it is left as it is.
-/// Cargo brings it up to date at each call; the first is a cold build (minutes).
-pub fn weir_bin_with(features: &str) -> std::path::PathBuf {
+/// The release `weir` binary built with other features (`args`, say `["--no-default-features"]`
+/// for the C library's malloc), in a target directory of its own (`target/build-…`), so that
+/// the default binary beside it is left as it is. Cargo brings it up to date at each call;
+/// the first is a cold build (minutes).
+pub fn weir_bin_with(args: &[&str]) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("bench binary path");
     let target = exe
         .parent()
         .and_then(|d| d.parent())
         .and_then(|d| d.parent())
         .expect("target dir")
-        .join(format!("features-{}", features.replace([',', ' '], "-")));
+        .join(format!("build{}", args.concat().replace([',', ' '], "-")));
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = std::process::Command::new(cargo)
         .args(["build", "-q", "--release", "-p", "weir", "--bin", "weir"])
-        .args(["--features", features, "--target-dir"])
+        .args(args)
+        .arg("--target-dir")
         .arg(&target)
         .status()
         .expect("cargo runs");
-    assert!(status.success(), "building weir with {features} failed");
+    assert!(status.success(), "building weir with {args:?} failed");
     target.join("release").join("weir")
 }
 
