@@ -550,6 +550,7 @@ async fn bench() {
         idle as f64 / 1024.0,
         peak as f64 / 1024.0
     ));
+    summary.push(format!("  {}", code_layout(&weir_bin())));
     let one = acc.rate();
     p.stop(Duration::from_secs(10)).await;
 
@@ -594,4 +595,36 @@ fn main() {
         .build()
         .unwrap()
         .block_on(bench());
+}
+
+/// How much of `crates/weir/symbol-order.txt` the binary still matches: the names carry a
+/// hash of their crate's build, so a dependency or toolchain update leaves them stale, and
+/// the idle figure above grows by megabytes (docs/performance.md, "The allocator and the
+/// code's layout"). Read with `nm`; without it, says so.
+fn code_layout(bin: &Path) -> String {
+    let order = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/weir/symbol-order.txt");
+    let wanted = std::fs::read_to_string(&order).unwrap_or_default();
+    let Ok(out) = std::process::Command::new("nm")
+        .arg("--defined-only")
+        .arg(bin)
+        .output()
+    else {
+        return "code layout: not checked (no `nm` on this machine)".into();
+    };
+    let defined: std::collections::HashSet<&str> = std::str::from_utf8(&out.stdout)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .collect();
+    let names: Vec<&str> = wanted.lines().filter(|l| !l.is_empty()).collect();
+    let found = names.iter().filter(|n| defined.contains(*n)).count();
+    let advice = if found * 10 < names.len() * 9 {
+        " — stale: run crates/weir/symbol-order.sh"
+    } else {
+        ""
+    };
+    format!(
+        "code layout: {found} of the {} functions named in crates/weir/symbol-order.txt are in the binary{advice}",
+        names.len()
+    )
 }
