@@ -19,9 +19,8 @@ fn main() {
         && !flags.contains("linker")
         && !flags.contains("fuse-ld");
     let wanted = var("WEIR_SYMBOL_ORDER").map_or(true, |v| v != "0");
-    if release && lld && wanted {
-        let file =
-            std::path::Path::new(&var("CARGO_MANIFEST_DIR").unwrap()).join("symbol-order.txt");
+    let file = std::path::Path::new(&var("CARGO_MANIFEST_DIR").unwrap()).join("symbol-order.txt");
+    if release && lld && wanted && file.is_file() {
         // One argument each, passed to the linker as they are (no splitting at commas).
         // Names the file no longer matches (a dependency updated, a function renamed) are
         // skipped quietly: the layout is a matter of memory, never of correctness.
