@@ -372,8 +372,9 @@ fn median(mut v: Vec<f64>, unit: &str) -> String {
 
 /// `WEIR_BENCH_ONLY=alloc`: the default `weir` (on mimalloc) against the one built with
 /// `--no-default-features`, on the C library's malloc (built here, in a target directory of
-/// its own). That build's own functions are not in the order of `symbol-order.txt`, which
-/// fits the default build only, so its idle figure is a little high (about 0.5 MiB).
+/// its own). The names in `symbol-order.txt` carry the build's features, so that build's own
+/// functions (weir's crates, not its dependencies) are left out of the order, which makes
+/// its idle figure a little higher than its own order would.
 async fn alloc_only(duration: Duration) {
     compare(
         ("glibc", weir_bin_with(&["--no-default-features"])),
@@ -600,16 +601,21 @@ fn main() {
 /// How much of `crates/weir/symbol-order.txt` the binary still matches: the names carry a
 /// hash of their crate's build, so a dependency or toolchain update leaves them stale, and
 /// the idle figure above grows by megabytes (docs/performance.md, "The allocator and the
-/// code's layout"). Read with `nm`; without it, says so.
+/// code's layout"). Read with `nm`; where that fails, says so.
 fn code_layout(bin: &Path) -> String {
     let order = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/weir/symbol-order.txt");
     let wanted = std::fs::read_to_string(&order).unwrap_or_default();
-    let Ok(out) = std::process::Command::new("nm")
+    let out = match std::process::Command::new("nm")
         .arg("--defined-only")
         .arg(bin)
         .output()
-    else {
-        return "code layout: not checked (no `nm` on this machine)".into();
+    {
+        Ok(out) if out.status.success() => out,
+        Ok(out) => {
+            let why = String::from_utf8_lossy(&out.stderr);
+            return format!("code layout: not checked (`nm` failed: {})", why.trim());
+        }
+        Err(e) => return format!("code layout: not checked (`nm`: {e})"),
     };
     let defined: std::collections::HashSet<&str> = std::str::from_utf8(&out.stdout)
         .unwrap_or_default()
