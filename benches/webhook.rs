@@ -373,7 +373,7 @@ fn median(mut v: Vec<f64>, unit: &str) -> String {
 /// `WEIR_BENCH_ONLY=alloc`: the default `weir` (on mimalloc) against the one built with
 /// `--no-default-features`, on the C library's malloc (built here, in a target directory of
 /// its own). The names in `symbol-order.txt` carry the build's features, so that build's own
-/// functions (weir's crates, not its dependencies) are left out of the order, which makes
+/// functions (the `weir` package's, not its dependencies') are left out of the order, which makes
 /// its idle figure a little higher than its own order would.
 async fn alloc_only(duration: Duration) {
     compare(
