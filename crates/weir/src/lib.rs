@@ -434,6 +434,16 @@ impl Engine {
             let done = http_done.clone();
             let app = app.layer(axum::extract::DefaultBodyLimit::disable());
             http.spawn(async move {
+                use axum::serve::ListenerExt;
+                // Each answer goes out at once, as Go's and nginx's servers do: with Nagle's
+                // algorithm the last part of an answer longer than a segment can wait for
+                // the client's delayed ACK (tens of ms). Measured level on the echo bench,
+                // whose answers fit one segment (docs/performance-log.md).
+                let listener = listener.tap_io(|tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::debug!(error = %e, "TCP_NODELAY not set");
+                    }
+                });
                 let r = axum::serve(listener, app)
                     .with_graceful_shutdown(async move { done.cancelled().await })
                     .await;
