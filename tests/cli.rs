@@ -222,13 +222,11 @@ async fn weir_backup_copies_the_queue_while_the_engine_runs() {
 #[tokio::test]
 async fn a_config_file_sits_below_the_environment_and_the_flags() {
     let dir = tempfile::tempdir().unwrap();
-    let flows = dir.path().join("flows");
-    std::fs::create_dir(&flows).unwrap();
-    std::fs::write(
-        flows.join("echo.yaml"),
+    let flows = flows_dir(
+        &dir.path().join("flows"),
+        "echo.yaml",
         "nodes:\n  h: { type: webhook, path: echo, respond: wave, to: [r] }\n  r: { type: http-response, status: 201 }\n",
-    )
-    .unwrap();
+    );
     let conf = dir.path().join("weir.toml");
     let write_conf = |port: u16| {
         std::fs::write(
@@ -309,9 +307,11 @@ fn weir_run_says_once_why_it_cannot_start() {
         )
     };
     let dir = tempfile::tempdir().unwrap();
-    let flows = dir.path().join("flows");
-    std::fs::create_dir(&flows).unwrap();
-    std::fs::write(flows.join("b.yaml"), "id: b\nnodes:\n  x: { type: nope }\n").unwrap();
+    let flows = flows_dir(
+        &dir.path().join("flows"),
+        "b.yaml",
+        "id: b\nnodes:\n  x: { type: nope }\n",
+    );
     let http = format!("127.0.0.1:{}", free_port());
     let (code, err) = run(&[
         flows.to_str().unwrap(),
@@ -394,16 +394,22 @@ async fn run_logging(flows: &str, log: &std::path::Path) -> (std::process::Child
     }
 }
 
+/// The flows folder `flows`, made with one file in it.
+fn flows_dir(flows: &std::path::Path, file: &str, yaml: &str) -> std::path::PathBuf {
+    std::fs::create_dir_all(flows).unwrap();
+    std::fs::write(flows.join(file), yaml).unwrap();
+    flows.to_path_buf()
+}
+
 /// A flows directory under `dir` with one webhook flow and nothing that needs a broker.
 fn one_webhook_flow(dir: &std::path::Path) -> String {
-    let flows = dir.join("hook-only");
-    std::fs::create_dir_all(&flows).unwrap();
-    std::fs::write(
-        flows.join("in.yaml"),
+    flows_dir(
+        &dir.join("hook-only"),
+        "in.yaml",
         "id: in\nnodes:\n  hook: { type: webhook, path: in, to: [log] }\n  log: { type: log }\n",
     )
-    .unwrap();
-    flows.display().to_string()
+    .display()
+    .to_string()
 }
 
 /// A script's `print` and a node's failure name the flow, the node and the item in the log,
@@ -411,10 +417,9 @@ fn one_webhook_flow(dir: &std::path::Path) -> String {
 #[tokio::test]
 async fn a_scripts_print_and_a_node_failure_name_their_flow_node_and_item() {
     let data = tempfile::tempdir().unwrap();
-    let flows = data.path().join("flows");
-    std::fs::create_dir_all(&flows).unwrap();
-    std::fs::write(
-        flows.join("printer.yaml"),
+    let flows = flows_dir(
+        &data.path().join("flows"),
+        "printer.yaml",
         r#"id: printer
 nodes:
   hook: { type: webhook, path: check, to: [check] }
@@ -425,8 +430,7 @@ nodes:
       if msg.payload.n > 1 { throw "too big" }
       msg
 "#,
-    )
-    .unwrap();
+    );
     let log = data.path().join("weir.log");
     let (mut child, addr) = run_logging(&flows.display().to_string(), &log).await;
     let read = || std::fs::read_to_string(&log).unwrap_or_default();
