@@ -19,8 +19,8 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use serde_json::json;
 use weir_queue::testing::RedisServer;
 use weir_queue::{
-    Committed, End, Failpoints, RedisOptions, RedisQueue, SqliteQueue, WaveEffects, WorkItem,
-    WorkQueue,
+    Committed, End, Failpoints, RedisOptions, RedisQueue, Reply, SqliteQueue, WaveEffects,
+    WorkItem, WorkQueue,
 };
 use weir_testkit::ceilings::{
     bytes_written, cpu_time, fsync_probe, redis_lean_scripts, redis_server_cpu, redis_streams_loop,
@@ -167,6 +167,71 @@ async fn pipelined(q: Arc<dyn WorkQueue>, batches: u64) -> Duration {
     t.elapsed()
 }
 
+/// Lone items on an idle queue, one at a time.
+const LONE: usize = 40;
+
+/// A lone event on an idle queue, as a quiet engine sees it: its claim has been waiting a
+/// while when the item is added (40–64 ms, varied so that a claim that polls is caught at
+/// every point between two polls). The time from the add's call to the claim's return, beside
+/// the add's own (the least it can be); then a `respond: wave` reply, from its post to the
+/// return of the request waiting for it, beside the post's own. Medians of `LONE` rounds.
+async fn lone(q: Arc<dyn WorkQueue>, name: &str) -> String {
+    let (mut add, mut claimed, mut post, mut replied) = (vec![], vec![], vec![], vec![]);
+    for i in 0..LONE {
+        let idle = Duration::from_millis(40 + (i as u64 * 13) % 25);
+        let waiting = {
+            let q = q.clone();
+            tokio::spawn(async move { q.claim("lone", 1, Duration::from_secs(5)).await })
+        };
+        tokio::time::sleep(idle).await;
+        let t = Instant::now();
+        q.add(vec![item()]).await.unwrap();
+        add.push(t.elapsed());
+        let got = waiting.await.unwrap().unwrap();
+        claimed.push(t.elapsed());
+        let [c] = &got[..] else {
+            panic!(
+                "the waiting claim got {} items, not the one added",
+                got.len()
+            )
+        };
+        let id = c.item.id;
+        let ack = q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap();
+        assert_eq!(ack, Committed::Done);
+
+        let waiting = {
+            let q = q.clone();
+            tokio::spawn(async move { q.wait_reply(id, Duration::from_secs(5)).await })
+        };
+        tokio::time::sleep(idle).await;
+        let t = Instant::now();
+        let reply = Reply {
+            status: 200,
+            headers: vec![],
+            body: json!({ "ok": true }),
+        };
+        q.post_reply(id, reply).await.unwrap();
+        post.push(t.elapsed());
+        let got = waiting.await.unwrap().unwrap();
+        replied.push(t.elapsed());
+        assert_eq!(
+            got.map(|r| r.status),
+            Some(200),
+            "the reply posted came back"
+        );
+    }
+    let ms = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2].as_secs_f64() * 1e3
+    };
+    let (add, claimed, post, replied) = (ms(add), ms(claimed), ms(post), ms(replied));
+    format!(
+        "{name} lone item (a claim waiting 40–64 ms before it): added → claimed {claimed:.2} ms | the add alone {add:.2} ms | ratio {:.2}; reply posted → received {replied:.2} ms | the post alone {post:.2} ms | ratio {:.2}",
+        claimed / add,
+        replied / post
+    )
+}
+
 /// Run one case under criterion; returns the items and time of every iteration it ran.
 fn measure(
     c: &mut Criterion,
@@ -281,6 +346,7 @@ fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Ve
             )
         });
     }
+    report.push(rt.block_on(lone(sqlite.clone(), "sqlite")));
     let s = rt.block_on(sqlite.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),
@@ -328,6 +394,7 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
         ));
     }
     report.push(redis_server_floor(rt, &server.url(), &redis_q, raw_batched));
+    report.push(rt.block_on(lone(redis_q.clone(), "redis ")));
     let s = rt.block_on(redis_q.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),

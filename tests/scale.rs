@@ -688,20 +688,34 @@ nodes:
         )
     };
     let (fa, fb) = (flow("a"), flow("b"));
-    let a = start_on(&redis.url(), &[("echo.yaml", &fa)], Failpoints::new()).await;
+    // Every request goes to a's webhook. An engine's own adds wake its waiting claims, so a
+    // quiet a would run every wave itself; here it runs one at a time, and the requests come
+    // eight at once, so b's polling claims take the items that wait.
+    let mut one_at_a_time = test_exec();
+    one_at_a_time.max_in_flight = 1;
+    one_at_a_time.max_waiting = 1;
+    let a = start_exec(&redis.url(), one_at_a_time, &[("echo.yaml", &fa)]).await;
     let b = start_on(&redis.url(), &[("echo.yaml", &fb)], Failpoints::new()).await;
-    // Every request goes to a's webhook; b's executor claims about half of the waves.
     let mut ran_by = BTreeMap::new();
-    for n in 0..60u64 {
-        let r = post_json(&a, "echo", json!({ "n": n })).await;
-        assert_eq!(r.status(), 200);
-        let body: Value = r.json().await.unwrap();
-        assert_eq!(body["n"], n, "each request gets its own answer: {body}");
-        *ran_by
-            .entry(body["by"].as_str().unwrap().to_string())
-            .or_insert(0) += 1;
+    for round in 0..8u64 {
+        let answers = futures::future::join_all(
+            (0..8).map(|i| post_json(&a, "echo", json!({ "n": round * 8 + i }))),
+        )
+        .await;
+        for (i, r) in answers.into_iter().enumerate() {
+            assert_eq!(r.status(), 200);
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(
+                body["n"],
+                round * 8 + i as u64,
+                "each request gets its own answer: {body}"
+            );
+            *ran_by
+                .entry(body["by"].as_str().unwrap().to_string())
+                .or_insert(0) += 1;
+        }
     }
-    println!("60 requests to engine a, waves run by {ran_by:?}");
+    println!("64 requests to engine a, waves run by {ran_by:?}");
     assert!(
         ran_by.get("b").copied().unwrap_or(0) > 0,
         "some waves ran on the other engine and were answered all the same: {ran_by:?}"

@@ -618,6 +618,34 @@ const COMMIT_GROUP: usize = 128;
 /// Group calls of one shard on their way at once.
 const COMMIT_CALLS: usize = 2;
 
+/// A `respond: wave` request's place in `reply_waiters`, given up however its wait ends.
+struct ReplyWaiter<'a> {
+    map: &'a std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>,
+    id: Ulid,
+}
+
+impl<'a> ReplyWaiter<'a> {
+    fn new(
+        map: &'a std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>,
+        id: Ulid,
+        woken: Arc<tokio::sync::Notify>,
+    ) -> Self {
+        map.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, woken);
+        ReplyWaiter { map, id }
+    }
+}
+
+impl Drop for ReplyWaiter<'_> {
+    fn drop(&mut self) {
+        self.map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
+    }
+}
+
 /// Send shard `p`'s waiting commits, a group per call, until none is waiting.
 async fn flush_commits(mut conn: Conn, script: Script, groups: CommitGroups, p: String) {
     loop {
@@ -734,6 +762,13 @@ pub struct RedisQueue {
     commits: CommitGroups,
     /// The shard the next claim starts with (turning, so that none waits on another).
     next_shard: std::sync::atomic::AtomicUsize,
+    /// Told when this engine has made items ready (an add, a commit that may carry
+    /// follow-ups), so a claim polling for work starts its next round at once; what other
+    /// engines add is found by the poll.
+    ready_here: tokio::sync::Notify,
+    /// `respond: wave` requests waiting at this engine, by item: a reply this engine posts
+    /// wakes its waiter at once; one another engine posts is found by the waiter's poll.
+    reply_waiters: std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>,
     /// Something that must live as long as the queue (a test's own redis-server).
     _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
@@ -793,6 +828,8 @@ impl RedisQueue {
             scripts,
             failpoints,
             recovered: Default::default(),
+            ready_here: tokio::sync::Notify::new(),
+            reply_waiters: Default::default(),
             commits: Default::default(),
             next_shard: Default::default(),
             _keep: None,
@@ -1305,6 +1342,7 @@ impl WorkQueue for RedisQueue {
             if r == "full" {
                 return Err(full(n));
             }
+            self.ready_here.notify_waiters();
         }
         Ok(())
     }
@@ -1327,7 +1365,10 @@ impl WorkQueue for RedisQueue {
         match r.as_str() {
             "full" => Err(full(v.parse().unwrap_or(0))),
             "old" => Ok((Ulid::from_string(&v).map_err(corrupt)?, false)),
-            _ => Ok((item.id, true)),
+            _ => {
+                self.ready_here.notify_waiters();
+                Ok((item.id, true))
+            }
         }
     }
 
@@ -1352,6 +1393,9 @@ impl WorkQueue for RedisQueue {
                 ],
             )
             .await?;
+        if r == 1 {
+            self.ready_here.notify_waiters();
+        }
         Ok(r == 1)
     }
 
@@ -1368,17 +1412,26 @@ impl WorkQueue for RedisQueue {
                 return Ok(back.drain(..n).collect());
             }
         }
-        // Claims poll (a script cannot block): quickly at first, then less often.
+        // Claims poll (a script cannot block): quickly at first, then less often, and at
+        // once when this engine makes items ready. The wake-up is armed before each round, so
+        // an add that lands while the round runs is not missed.
         let deadline = tokio::time::Instant::now() + wait;
         let mut pause = Duration::from_millis(2);
         loop {
+            let woken = self.ready_here.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
             let out = self.claim_round(consumer, max).await?;
             if !out.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(out);
             }
             let left = deadline - tokio::time::Instant::now();
-            tokio::time::sleep(pause.min(left)).await;
-            pause = (pause * 2).min(Duration::from_millis(25));
+            tokio::select! {
+                _ = tokio::time::sleep(pause.min(left)) => {
+                    pause = (pause * 2).min(Duration::from_millis(25));
+                }
+                _ = woken => pause = Duration::from_millis(2),
+            }
         }
     }
 
@@ -1482,6 +1535,9 @@ impl WorkQueue for RedisQueue {
             return Err(QueueError::Unavailable(
                 "failpoint `commit-reply-lost` fired (the commit went through)".into(),
             ));
+        }
+        if r == "done" && !fx.follow_ups.is_empty() {
+            self.ready_here.notify_waiters();
         }
         Ok(if r == "done" {
             Committed::Done
@@ -1687,15 +1743,30 @@ impl WorkQueue for RedisQueue {
             .ignore()
             .query_async::<()>(&mut c)
             .await
-            .map_err(unavailable)
+            .map_err(unavailable)?;
+        let waiter = self
+            .reply_waiters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned();
+        if let Some(w) = waiter {
+            // Kept as a permit if the waiter is between two polls.
+            w.notify_one();
+        }
+        Ok(())
     }
 
     async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
-        // Polled rather than BLPOP: a blocking read would hold a connection per waiter.
+        // Polled rather than BLPOP: a blocking read would hold a connection per waiter. A
+        // reply posted by this engine (the usual case: the engine that journaled the event
+        // claims it) wakes the poll at once.
         let k = keys::reply(&self.opts.namespace, &id.to_string());
         let deadline = tokio::time::Instant::now() + wait;
         let mut pause = Duration::from_millis(2);
         let mut c = self.conn.clone();
+        let woken = Arc::new(tokio::sync::Notify::new());
+        let _registered = ReplyWaiter::new(&self.reply_waiters, id, woken.clone());
         loop {
             let v: Option<String> = c.lpop(&k, None).await.map_err(unavailable)?;
             if let Some(v) = v {
@@ -1705,8 +1776,12 @@ impl WorkQueue for RedisQueue {
             if now >= deadline {
                 return Ok(None);
             }
-            tokio::time::sleep(pause.min(deadline - now)).await;
-            pause = (pause * 2).min(Duration::from_millis(25));
+            tokio::select! {
+                _ = tokio::time::sleep(pause.min(deadline - now)) => {
+                    pause = (pause * 2).min(Duration::from_millis(25));
+                }
+                _ = woken.notified() => {}
+            }
         }
     }
 
