@@ -5,9 +5,8 @@
 //! of the two cores it shares with the engine.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
-
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
