@@ -252,11 +252,13 @@ fn dechunk(b: &[u8]) -> Option<Option<(Bytes, usize)>> {
             // No trailers from the bench's servers: the empty line ends the body.
             return Some((b.len() >= at + 2).then(|| (Bytes::from(body), at + 2)));
         }
-        if b.len() < at + size + 2 {
+        // A size no answer could have is not HTTP (and must not overflow the sums).
+        let end = at.checked_add(size)?.checked_add(2)?;
+        if b.len() < end {
             return Some(None);
         }
         body.extend_from_slice(&b[at..at + size]);
-        at += size + 2;
+        at = end;
     }
 }
 
@@ -345,5 +347,9 @@ mod tests {
         assert!(answer(&mut buf).is_none());
         let mut buf = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n"[..]);
         assert!(answer(&mut buf).is_none());
+        let mut buf = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nffffffffffffffff\r\n"[..],
+        );
+        assert!(answer(&mut buf).is_none(), "a chunk size past any memory");
     }
 }
