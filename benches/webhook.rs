@@ -604,7 +604,10 @@ fn main() {
 /// code's layout"). Read with `nm`; where that fails, says so.
 fn code_layout(bin: &Path) -> String {
     let order = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/weir/symbol-order.txt");
-    let wanted = std::fs::read_to_string(&order).unwrap_or_default();
+    let wanted = match std::fs::read_to_string(&order) {
+        Ok(w) => w,
+        Err(e) => return format!("code layout: none ({}: {e})", order.display()),
+    };
     let out = match std::process::Command::new("nm")
         .arg("--defined-only")
         .arg(bin)

@@ -720,6 +720,10 @@ nodes:
         ran_by.get("b").copied().unwrap_or(0) > 0,
         "some waves ran on the other engine and were answered all the same: {ran_by:?}"
     );
+    assert!(
+        ran_by.get("a").copied().unwrap_or(0) > 0,
+        "some waves ran on the engine that took the requests, woken by its own adds: {ran_by:?}"
+    );
     a.shutdown().await;
     b.shutdown().await;
 }

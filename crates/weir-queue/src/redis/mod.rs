@@ -618,18 +618,17 @@ const COMMIT_GROUP: usize = 128;
 /// Group calls of one shard on their way at once.
 const COMMIT_CALLS: usize = 2;
 
+/// The `respond: wave` requests waiting at this engine, each woken by its own item's reply.
+type ReplyWaiters = std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>;
+
 /// A `respond: wave` request's place in `reply_waiters`, given up however its wait ends.
 struct ReplyWaiter<'a> {
-    map: &'a std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>,
+    map: &'a ReplyWaiters,
     id: Ulid,
 }
 
 impl<'a> ReplyWaiter<'a> {
-    fn new(
-        map: &'a std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>,
-        id: Ulid,
-        woken: Arc<tokio::sync::Notify>,
-    ) -> Self {
+    fn new(map: &'a ReplyWaiters, id: Ulid, woken: Arc<tokio::sync::Notify>) -> Self {
         map.lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, woken);
@@ -768,7 +767,7 @@ pub struct RedisQueue {
     ready_here: tokio::sync::Notify,
     /// `respond: wave` requests waiting at this engine, by item: a reply this engine posts
     /// wakes its waiter at once; one another engine posts is found by the waiter's poll.
-    reply_waiters: std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>,
+    reply_waiters: ReplyWaiters,
     /// Something that must live as long as the queue (a test's own redis-server).
     _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
