@@ -178,7 +178,7 @@ const LONE: usize = 40;
 async fn lone(q: Arc<dyn WorkQueue>, name: &str) -> String {
     let (mut add, mut claimed, mut post, mut replied) = (vec![], vec![], vec![], vec![]);
     for i in 0..LONE {
-        let idle = Duration::from_millis(40 + (i as u64 * 13) % 25);
+        let idle = lone_idle(i);
         let waiting = {
             let q = q.clone();
             tokio::spawn(async move { q.claim("lone", 1, Duration::from_secs(5)).await })
@@ -195,41 +195,77 @@ async fn lone(q: Arc<dyn WorkQueue>, name: &str) -> String {
                 got.len()
             )
         };
-        let id = c.item.id;
         let ack = q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap();
         assert_eq!(ack, Committed::Done);
-
-        let waiting = {
-            let q = q.clone();
-            tokio::spawn(async move { q.wait_reply(id, Duration::from_secs(5)).await })
-        };
-        tokio::time::sleep(idle).await;
-        let t = Instant::now();
-        let reply = Reply {
-            status: 200,
-            headers: vec![],
-            body: json!({ "ok": true }),
-        };
-        q.post_reply(id, reply).await.unwrap();
-        post.push(t.elapsed());
-        let got = waiting.await.unwrap().unwrap();
-        replied.push(t.elapsed());
-        assert_eq!(
-            got.map(|r| r.status),
-            Some(200),
-            "the reply posted came back"
-        );
+        let (p, r) = lone_reply(&q, &q, c.item.id, idle).await;
+        post.push(p);
+        replied.push(r);
     }
-    let ms = |mut v: Vec<Duration>| {
-        v.sort();
-        v[v.len() / 2].as_secs_f64() * 1e3
-    };
-    let (add, claimed, post, replied) = (ms(add), ms(claimed), ms(post), ms(replied));
+    let (add, claimed, post, replied) =
+        (median(add), median(claimed), median(post), median(replied));
     format!(
         "{name} lone item (a claim waiting 40–64 ms before it): added → claimed {claimed:.2} ms | the add alone {add:.2} ms | ratio {:.2}; reply posted → received {replied:.2} ms | the post alone {post:.2} ms | ratio {:.2}",
         claimed / add,
         replied / post
     )
+}
+
+/// As in [`lone`], but the reply is posted by another engine on the same Redis than the one
+/// where the request waits (its wave ran there).
+async fn lone_reply_across(here: Arc<dyn WorkQueue>, there: Arc<dyn WorkQueue>) -> String {
+    let (mut post, mut replied) = (vec![], vec![]);
+    for i in 0..LONE {
+        let (p, r) = lone_reply(&here, &there, ulid::Ulid::new(), lone_idle(i)).await;
+        post.push(p);
+        replied.push(r);
+    }
+    let (post, replied) = (median(post), median(replied));
+    format!(
+        "redis  lone reply posted by another engine: posted → received {replied:.2} ms | the post alone {post:.2} ms | ratio {:.2}",
+        replied / post
+    )
+}
+
+/// How long round `i` of a lone measurement leaves the queue idle first: 40–64 ms.
+fn lone_idle(i: usize) -> Duration {
+    Duration::from_millis(40 + (i as u64 * 13) % 25)
+}
+
+/// A request waits at `waiter` for item `id`'s reply for `idle`, then `poster` posts it: the
+/// post's own time, and the time from the post's call to the request's return.
+async fn lone_reply(
+    waiter: &Arc<dyn WorkQueue>,
+    poster: &Arc<dyn WorkQueue>,
+    id: ulid::Ulid,
+    idle: Duration,
+) -> (Duration, Duration) {
+    let waiting = {
+        let q = waiter.clone();
+        tokio::spawn(async move { q.wait_reply(id, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(idle).await;
+    let t = Instant::now();
+    let reply = Reply {
+        status: 200,
+        headers: vec![],
+        body: json!({ "ok": true }),
+    };
+    poster.post_reply(id, reply).await.unwrap();
+    let post = t.elapsed();
+    let got = waiting.await.unwrap().unwrap();
+    let replied = t.elapsed();
+    assert_eq!(
+        got.map(|r| r.status),
+        Some(200),
+        "the reply posted came back"
+    );
+    (post, replied)
+}
+
+/// The median, in ms.
+fn median(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v[v.len() / 2].as_secs_f64() * 1e3
 }
 
 /// Run one case under criterion; returns the items and time of every iteration it ran.
@@ -395,6 +431,15 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
     }
     report.push(redis_server_floor(rt, &server.url(), &redis_q, raw_batched));
     report.push(rt.block_on(lone(redis_q.clone(), "redis ")));
+    let other: Arc<dyn WorkQueue> = Arc::new(
+        rt.block_on(RedisQueue::connect(
+            &server.url(),
+            RedisOptions::default(),
+            Failpoints::new(),
+        ))
+        .unwrap(),
+    );
+    report.push(rt.block_on(lone_reply_across(redis_q.clone(), other)));
     let s = rt.block_on(redis_q.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),

@@ -457,12 +457,19 @@ pub async fn replies_travel_through_the_queue(q: Q, _fp: Failpoints) {
         body: json!({"ok": true}),
     };
     q.post_reply(id, reply.clone()).await.unwrap();
-    assert_eq!(waiter.await.unwrap().unwrap(), Some(reply));
+    assert_eq!(waiter.await.unwrap().unwrap(), Some(reply.clone()));
     assert_eq!(
         q.wait_reply(ulid::Ulid::new(), Duration::from_millis(20))
             .await
             .unwrap(),
         None
+    );
+    // A reply posted before its request waits (the wave was quicker) is kept for it.
+    let id = ulid::Ulid::new();
+    q.post_reply(id, reply.clone()).await.unwrap();
+    assert_eq!(
+        q.wait_reply(id, Duration::from_secs(5)).await.unwrap(),
+        Some(reply)
     );
 }
 

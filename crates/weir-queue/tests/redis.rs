@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use weir_queue::testing::RedisServer;
+use weir_queue::testing::{RedisCluster, RedisServer};
 use weir_queue::{
     End, Failpoints, ItemState, RedisOptions, RedisQueue, WaveEffects, WorkItem, WorkQueue,
 };
@@ -354,4 +354,117 @@ async fn a_namespace_an_earlier_weir_wrote_is_refused_with_the_way_out() {
             .is_ok(),
         "a namespace this weir wrote opens again"
     );
+}
+
+/// Wait up to 10 s for `cond`, checking every 10 ms.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}, within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A request waits at `waiter` for a reply that `poster` posts once it surely waits (it
+/// registers before its first poll): the status the request gets.
+async fn posted_by(waiter: &RedisQueue, poster: &RedisQueue) -> Option<u16> {
+    let id = ulid::Ulid::new();
+    let reply = weir_queue::Reply {
+        status: 200,
+        headers: vec![],
+        body: json!({ "ok": true }),
+    };
+    let (got, posted) = tokio::join!(waiter.wait_reply(id, Duration::from_secs(10)), async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        poster.post_reply(id, reply).await
+    });
+    posted.unwrap();
+    got.unwrap().map(|r| r.status)
+}
+
+/// A `respond: wave` request waits at the engine that journaled its event; its wave may run,
+/// and its reply be posted, at another. That engine names the reply on the namespace's
+/// channel, and the waiting engine, which listens there, wakes the request at once rather
+/// than at its next poll. The channel is only a hint (a waiter polls all the same), and after
+/// the server is killed and started again, listening resumes by itself.
+#[tokio::test]
+async fn a_reply_another_engine_posts_wakes_the_request_waiting_for_it() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    let connect = || RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
+    let (here, there) = (connect().await.unwrap(), connect().await.unwrap());
+    until("the engine listens for posted replies", || {
+        here.hears_other_engines()
+    })
+    .await;
+
+    assert_eq!(
+        posted_by(&here, &there).await,
+        Some(200),
+        "the reply arrived"
+    );
+    assert_eq!(here.replies_heard(), 1, "the channel woke the request");
+    assert_eq!(
+        there.replies_heard(),
+        0,
+        "nothing waited where it was posted"
+    );
+
+    // A reply posted by the engine where the request waits wakes it directly, not through
+    // the channel.
+    assert_eq!(posted_by(&here, &here).await, Some(200));
+    assert_eq!(here.replies_heard(), 1, "no message on the channel for it");
+
+    // The server killed: the channel is cut. Started again: listening resumes by itself.
+    server.stop();
+    until("the cut is noticed", || !here.hears_other_engines()).await;
+    server.restart();
+    // Each engine's connection comes back on its first use after the restart.
+    for q in [&here, &there] {
+        let mut tries = 0;
+        while q.stats().await.is_err() {
+            tries += 1;
+            assert!(tries < 100, "the engine reaches the restarted server");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    until("the engine listens again after the restart", || {
+        here.hears_other_engines()
+    })
+    .await;
+    assert_eq!(posted_by(&here, &there).await, Some(200));
+    assert_eq!(here.replies_heard(), 2, "the channel wakes requests again");
+}
+
+/// In a Redis Cluster a reply is kept in its own slot and named on the channel separately
+/// (a cluster's pipeline stays within one slot); every node hears a publish, so listening on
+/// one is enough.
+#[tokio::test]
+async fn a_reply_another_engine_posts_wakes_the_request_in_a_cluster_too() {
+    let cluster = RedisCluster::start();
+    let opts = || RedisOptions {
+        shards: 4,
+        ..RedisOptions::default()
+    };
+    let here = RedisQueue::connect(&cluster.url(), opts(), Failpoints::new())
+        .await
+        .unwrap();
+    let there = RedisQueue::connect(&cluster.url(), opts(), Failpoints::new())
+        .await
+        .unwrap();
+    until("the engine listens for posted replies", || {
+        here.hears_other_engines()
+    })
+    .await;
+    for n in 1..=3 {
+        assert_eq!(
+            posted_by(&here, &there).await,
+            Some(200),
+            "the reply arrived"
+        );
+        assert_eq!(here.replies_heard(), n, "the channel woke the request");
+    }
 }

@@ -103,6 +103,12 @@ pub fn reply(ns: &str, id: &str) -> String {
     format!("{{{ns}:replies}}:{id}")
 }
 
+/// The channel on which an engine names each reply it posts (the item's id), so that the
+/// engine whose request waits for that reply hears of it at once instead of at its next poll.
+pub fn replies_posted(ns: &str) -> String {
+    format!("{ns}:replies-posted")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

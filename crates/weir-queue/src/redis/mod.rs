@@ -29,8 +29,11 @@
 pub mod keys;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
+
+use futures::StreamExt;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncCommands, Script};
@@ -621,6 +624,98 @@ const COMMIT_CALLS: usize = 2;
 /// The `respond: wave` requests waiting at this engine, each woken by its own item's reply.
 type ReplyWaiters = std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>;
 
+/// Listen on the namespace's channel of posted replies (`keys::replies_posted`) and wake the
+/// request of this engine that waits for each, connecting again after a pause whenever the
+/// connection ends. Only a hint: every waiter polls all the same, so while the channel is not
+/// heard a reply posted by another engine is found by the poll, up to 25 ms later. Ends when
+/// the queue is dropped.
+async fn hear_replies(
+    client: redis::Client,
+    channel: String,
+    waiters: Weak<ReplyWaiters>,
+    heard: Weak<Heard>,
+) {
+    let mut pause = Duration::from_millis(100);
+    // The first failure is said at `warn` (pub/sub refused to this user stays so); the
+    // retries that follow, at `debug`.
+    let mut said = false;
+    loop {
+        let subscribed = async {
+            let mut ps = client.get_async_pubsub().await?;
+            ps.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(ps)
+        };
+        match tokio::time::timeout(Duration::from_secs(2), subscribed).await {
+            Ok(Ok(mut ps)) => {
+                pause = Duration::from_millis(100);
+                match heard.upgrade() {
+                    Some(h) => h.listening.store(true, Ordering::Release),
+                    None => return,
+                }
+                let mut posted = ps.on_message();
+                while let Some(m) = posted.next().await {
+                    let Some(waiters) = waiters.upgrade() else {
+                        return;
+                    };
+                    let Ok(id) = m.get_payload::<String>() else {
+                        continue;
+                    };
+                    let Ok(id) = id.parse::<Ulid>() else { continue };
+                    let waiter = waiters
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&id)
+                        .cloned();
+                    if let Some(w) = waiter {
+                        w.notify_one();
+                        if let Some(h) = heard.upgrade() {
+                            h.woke.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                match heard.upgrade() {
+                    Some(h) => h.listening.store(false, Ordering::Release),
+                    None => return,
+                }
+                tracing::debug!("the channel of posted replies was cut; listening again");
+            }
+            Ok(Err(e)) if !said => {
+                said = true;
+                tracing::warn!(%channel, error = %e, "cannot listen for replies posted by other engines; until it can, they are found by polling, up to 25 ms later");
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(%channel, error = %e, "cannot listen for replies posted by other engines yet");
+            }
+            Err(_) => {
+                tracing::debug!(%channel, "no answer within 2 s to listening for replies posted by other engines; they are found by polling meanwhile");
+            }
+        }
+        if waiters.strong_count() == 0 {
+            return;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// What the listener of posted replies has heard.
+#[derive(Default)]
+struct Heard {
+    /// Subscribed to the channel now.
+    listening: AtomicBool,
+    /// Requests of this engine woken by a reply another engine posted.
+    woke: AtomicU64,
+}
+
+/// The listener of posted replies, stopped with the queue.
+struct Listener(tokio::task::AbortHandle);
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// A `respond: wave` request's place in `reply_waiters`, given up however its wait ends.
 struct ReplyWaiter<'a> {
     map: &'a ReplyWaiters,
@@ -766,8 +861,11 @@ pub struct RedisQueue {
     /// engines add is found by the poll.
     ready_here: tokio::sync::Notify,
     /// `respond: wave` requests waiting at this engine, by item: a reply this engine posts
-    /// wakes its waiter at once; one another engine posts is found by the waiter's poll.
-    reply_waiters: ReplyWaiters,
+    /// wakes its waiter at once; one another engine posts wakes it through the namespace's
+    /// channel of posted replies (or, while that is not heard, the waiter's poll finds it).
+    reply_waiters: Arc<ReplyWaiters>,
+    heard: Arc<Heard>,
+    _listener: Listener,
     /// Something that must live as long as the queue (a test's own redis-server).
     _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
@@ -821,6 +919,20 @@ impl RedisQueue {
             }
         };
         let scripts = Scripts::new(opts.dead_cap);
+        // Published replies reach every node of a cluster, so one node is enough to listen on.
+        let listen_on = cluster_seeds(url)
+            .and_then(|seeds| seeds.into_iter().next())
+            .unwrap_or_else(|| url.to_string());
+        let listen_on = redis::Client::open(listen_on.as_str())
+            .map_err(|e| QueueError::Open(format!("`{url}` is not a Redis URL: {e}")))?;
+        let reply_waiters: Arc<ReplyWaiters> = Default::default();
+        let heard: Arc<Heard> = Default::default();
+        let listener = tokio::spawn(hear_replies(
+            listen_on,
+            keys::replies_posted(&opts.namespace),
+            Arc::downgrade(&reply_waiters),
+            Arc::downgrade(&heard),
+        ));
         let q = RedisQueue {
             conn,
             opts,
@@ -828,7 +940,9 @@ impl RedisQueue {
             failpoints,
             recovered: Default::default(),
             ready_here: tokio::sync::Notify::new(),
-            reply_waiters: Default::default(),
+            reply_waiters,
+            heard,
+            _listener: Listener(listener.abort_handle()),
             commits: Default::default(),
             next_shard: Default::default(),
             _keep: None,
@@ -896,6 +1010,20 @@ impl RedisQueue {
     }
 
     /// Keep `x` alive as long as the queue (a test's server, say).
+    /// Whether this engine hears, at this moment, the replies other engines post for its
+    /// waiting `respond: wave` requests (through the namespace's channel of posted replies).
+    /// While it does not (Redis unreachable, or pub/sub refused to this user), those replies
+    /// are found by polling, up to 25 ms later; nothing is lost either way.
+    pub fn hears_other_engines(&self) -> bool {
+        self.heard.listening.load(Ordering::Acquire)
+    }
+
+    /// How many `respond: wave` requests waiting at this engine were woken by a reply that
+    /// another engine posted (heard on the channel, not found by a poll).
+    pub fn replies_heard(&self) -> u64 {
+        self.heard.woke.load(Ordering::Relaxed)
+    }
+
     pub fn keeping(mut self, x: impl std::any::Any + Send + Sync) -> Self {
         self._keep = Some(Box::new(x));
         self
@@ -1734,21 +1862,36 @@ impl WorkQueue for RedisQueue {
     async fn post_reply(&self, id: Ulid, reply: Reply) -> Result<(), QueueError> {
         let k = keys::reply(&self.opts.namespace, &id.to_string());
         let v = serde_json::to_string(&reply).map_err(corrupt)?;
-        let mut c = self.conn.clone();
-        redis::pipe()
-            .rpush(&k, v)
-            .ignore()
-            .expire(&k, REPLY_TTL_SECS)
-            .ignore()
-            .query_async::<()>(&mut c)
-            .await
-            .map_err(unavailable)?;
         let waiter = self
             .reply_waiters
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&id)
             .cloned();
+        let mut c = self.conn.clone();
+        let mut pipe = redis::pipe();
+        pipe.rpush(&k, v)
+            .ignore()
+            .expire(&k, REPLY_TTL_SECS)
+            .ignore();
+        // With no request waiting here, it may wait at another engine: name the reply on the
+        // channel, after the reply itself (a waiter that hears it finds the reply there). In
+        // the same round trip on one server; a cluster's pipeline stays within one slot, and
+        // a channel has none.
+        let channel = waiter
+            .is_none()
+            .then(|| keys::replies_posted(&self.opts.namespace));
+        let cluster = matches!(self.conn, Conn::Cluster(_));
+        if let Some(ch) = channel.as_ref().filter(|_| !cluster) {
+            pipe.publish(ch, id.to_string()).ignore();
+        }
+        pipe.query_async::<()>(&mut c).await.map_err(unavailable)?;
+        if let Some(ch) = channel.filter(|_| cluster) {
+            // The reply is kept; only the hint is lost, and the waiter's poll finds it.
+            if let Err(e) = c.publish::<_, _, i64>(ch, id.to_string()).await {
+                tracing::debug!(%id, error = %e, "a posted reply was not named on the channel");
+            }
+        }
         if let Some(w) = waiter {
             // Kept as a permit if the waiter is between two polls.
             w.notify_one();
@@ -1759,7 +1902,8 @@ impl WorkQueue for RedisQueue {
     async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
         // Polled rather than BLPOP: a blocking read would hold a connection per waiter. A
         // reply posted by this engine (the usual case: the engine that journaled the event
-        // claims it) wakes the poll at once.
+        // claims it) wakes the poll at once; one posted by another engine, through the
+        // channel of posted replies.
         let k = keys::reply(&self.opts.namespace, &id.to_string());
         let deadline = tokio::time::Instant::now() + wait;
         let mut pause = Duration::from_millis(2);
