@@ -1009,7 +1009,6 @@ impl RedisQueue {
         Ok(())
     }
 
-    /// Keep `x` alive as long as the queue (a test's server, say).
     /// Whether this engine hears, at this moment, the replies other engines post for its
     /// waiting `respond: wave` requests (through the namespace's channel of posted replies).
     /// While it does not (Redis unreachable, or pub/sub refused to this user), those replies
@@ -1024,6 +1023,7 @@ impl RedisQueue {
         self.heard.woke.load(Ordering::Relaxed)
     }
 
+    /// Keep `x` alive as long as the queue (a test's server, say).
     pub fn keeping(mut self, x: impl std::any::Any + Send + Sync) -> Self {
         self._keep = Some(Box::new(x));
         self
