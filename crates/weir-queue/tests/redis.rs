@@ -468,3 +468,42 @@ async fn a_reply_another_engine_posts_wakes_the_request_in_a_cluster_too() {
         assert_eq!(here.replies_heard(), n, "the channel woke the request");
     }
 }
+
+/// A Redis user without pub/sub rights (Redis 7 gives a new user no channels unless told):
+/// the engine cannot listen and its publishes are refused, yet every reply still reaches its
+/// request, found by polling, and posting one never fails for it.
+#[tokio::test]
+async fn without_pub_sub_rights_replies_still_cross_engines() {
+    let server = RedisServer::start();
+    let admin = redis::Client::open(server.url()).unwrap();
+    let mut c = admin.get_multiplexed_async_connection().await.unwrap();
+    redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "weir",
+            "on",
+            ">secret",
+            "~*",
+            "+@all",
+            "resetchannels",
+        ])
+        .query_async::<()>(&mut c)
+        .await
+        .unwrap();
+    let url = server.url().replace("redis://", "redis://weir:secret@");
+    let connect = || RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
+    let (here, there) = (connect().await.unwrap(), connect().await.unwrap());
+    for _ in 0..3 {
+        assert_eq!(
+            posted_by(&here, &there).await,
+            Some(200),
+            "the reply arrived"
+        );
+    }
+    assert_eq!(posted_by(&here, &here).await, Some(200));
+    assert!(
+        !here.hears_other_engines(),
+        "the channel is refused to this user"
+    );
+    assert_eq!(here.replies_heard(), 0, "found by polling, not heard");
+}

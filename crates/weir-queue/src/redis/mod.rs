@@ -1869,28 +1869,27 @@ impl WorkQueue for RedisQueue {
             .get(&id)
             .cloned();
         let mut c = self.conn.clone();
-        let mut pipe = redis::pipe();
-        pipe.rpush(&k, v)
+        redis::pipe()
+            .rpush(&k, v)
             .ignore()
             .expire(&k, REPLY_TTL_SECS)
-            .ignore();
-        // With no request waiting here, it may wait at another engine: name the reply on the
-        // channel, after the reply itself (a waiter that hears it finds the reply there). In
-        // the same round trip on one server; a cluster's pipeline stays within one slot, and
-        // a channel has none.
-        let channel = waiter
-            .is_none()
-            .then(|| keys::replies_posted(&self.opts.namespace));
-        let cluster = matches!(self.conn, Conn::Cluster(_));
-        if let Some(ch) = channel.as_ref().filter(|_| !cluster) {
-            pipe.publish(ch, id.to_string()).ignore();
-        }
-        pipe.query_async::<()>(&mut c).await.map_err(unavailable)?;
-        if let Some(ch) = channel.filter(|_| cluster) {
-            // The reply is kept; only the hint is lost, and the waiter's poll finds it.
-            if let Err(e) = c.publish::<_, _, i64>(ch, id.to_string()).await {
-                tracing::debug!(%id, error = %e, "a posted reply was not named on the channel");
-            }
+            .ignore()
+            .query_async::<()>(&mut c)
+            .await
+            .map_err(unavailable)?;
+        if waiter.is_none() {
+            // No request waits here; it may wait at another engine. Name the reply on the
+            // channel, now that the reply is kept (a waiter that hears it finds it), without
+            // holding up the wave: only a hint is at stake, and the waiter's poll finds the
+            // reply if the publish is lost. Not in the pipeline above: a refused publish (a
+            // Redis user without pub/sub rights) would fail the whole post, and a cluster's
+            // pipeline stays within one slot, which a channel has none of.
+            let channel = keys::replies_posted(&self.opts.namespace);
+            tokio::spawn(async move {
+                if let Err(e) = c.publish::<_, _, i64>(channel, id.to_string()).await {
+                    tracing::debug!(%id, error = %e, "a posted reply was not named on the channel");
+                }
+            });
         }
         if let Some(w) = waiter {
             // Kept as a permit if the waiter is between two polls.
