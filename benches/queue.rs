@@ -393,14 +393,13 @@ fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Ve
 
 fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec<String>) {
     let server = RedisServer::start();
-    let redis_q: Arc<dyn WorkQueue> = Arc::new(
-        rt.block_on(RedisQueue::connect(
-            &server.url(),
-            RedisOptions::default(),
-            Failpoints::new(),
-        ))
-        .unwrap(),
-    );
+    // An engine on the bench's server.
+    let engine = || -> Arc<dyn WorkQueue> {
+        let url = server.url();
+        let q = RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
+        Arc::new(rt.block_on(q).unwrap())
+    };
+    let redis_q = engine();
     println!("redis: appendonly yes, appendfsync always (the server this bench starts)");
     let raw_single = rt.block_on(redis_streams_loop(&server.url(), 1, 2000));
     let raw_batched = rt.block_on(redis_streams_loop(&server.url(), BATCH, 200));
@@ -431,15 +430,7 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
     }
     report.push(redis_server_floor(rt, &server.url(), &redis_q, raw_batched));
     report.push(rt.block_on(lone(redis_q.clone(), "redis ")));
-    let other: Arc<dyn WorkQueue> = Arc::new(
-        rt.block_on(RedisQueue::connect(
-            &server.url(),
-            RedisOptions::default(),
-            Failpoints::new(),
-        ))
-        .unwrap(),
-    );
-    report.push(rt.block_on(lone_reply_across(redis_q.clone(), other)));
+    report.push(rt.block_on(lone_reply_across(redis_q.clone(), engine())));
     let s = rt.block_on(redis_q.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),
