@@ -385,6 +385,18 @@ async fn posted_by(waiter: &RedisQueue, poster: &RedisQueue) -> Option<u16> {
     got.unwrap().map(|r| r.status)
 }
 
+/// Three replies posted by `there` for requests waiting at `here`, each arriving: how many
+/// of them the channel woke. A poll of the waiter that lands between a reply and its name on
+/// the channel finds the reply first (the channel is only a hint), so a busy machine may let
+/// one of the three be found that way.
+async fn heard_of_three(here: &RedisQueue, there: &RedisQueue) -> u64 {
+    let before = here.replies_heard();
+    for _ in 0..3 {
+        assert_eq!(posted_by(here, there).await, Some(200), "the reply arrived");
+    }
+    here.replies_heard() - before
+}
+
 /// A `respond: wave` request waits at the engine that journaled its event; its wave may run,
 /// and its reply be posted, at another. That engine names the reply on the namespace's
 /// channel, and the waiting engine, which listens there, wakes the request at once rather
@@ -401,22 +413,25 @@ async fn a_reply_another_engine_posts_wakes_the_request_waiting_for_it() {
     })
     .await;
 
-    assert_eq!(
-        posted_by(&here, &there).await,
-        Some(200),
-        "the reply arrived"
+    assert!(
+        heard_of_three(&here, &there).await >= 2,
+        "the channel woke the requests"
     );
-    assert_eq!(here.replies_heard(), 1, "the channel woke the request");
     assert_eq!(
         there.replies_heard(),
         0,
-        "nothing waited where it was posted"
+        "nothing waited where they were posted"
     );
 
     // A reply posted by the engine where the request waits wakes it directly, not through
     // the channel.
+    let heard = here.replies_heard();
     assert_eq!(posted_by(&here, &here).await, Some(200));
-    assert_eq!(here.replies_heard(), 1, "no message on the channel for it");
+    assert_eq!(
+        here.replies_heard(),
+        heard,
+        "no message on the channel for it"
+    );
 
     // The server killed: the channel is cut. Started again: listening resumes by itself.
     server.stop();
@@ -435,13 +450,14 @@ async fn a_reply_another_engine_posts_wakes_the_request_waiting_for_it() {
         here.hears_other_engines()
     })
     .await;
-    assert_eq!(posted_by(&here, &there).await, Some(200));
-    assert_eq!(here.replies_heard(), 2, "the channel wakes requests again");
+    assert!(
+        heard_of_three(&here, &there).await >= 2,
+        "the channel wakes requests again"
+    );
 }
 
-/// In a Redis Cluster a reply is kept in its own slot and named on the channel separately
-/// (a cluster's pipeline stays within one slot); every node hears a publish, so listening on
-/// one is enough.
+/// In a Redis Cluster every node hears a publish, so an engine listening on one hears the
+/// replies that any engine posts, whichever node keeps them.
 #[tokio::test]
 async fn a_reply_another_engine_posts_wakes_the_request_in_a_cluster_too() {
     let cluster = RedisCluster::start();
@@ -459,14 +475,10 @@ async fn a_reply_another_engine_posts_wakes_the_request_in_a_cluster_too() {
         here.hears_other_engines()
     })
     .await;
-    for n in 1..=3 {
-        assert_eq!(
-            posted_by(&here, &there).await,
-            Some(200),
-            "the reply arrived"
-        );
-        assert_eq!(here.replies_heard(), n, "the channel woke the request");
-    }
+    assert!(
+        heard_of_three(&here, &there).await >= 2,
+        "the channel woke the requests"
+    );
 }
 
 /// A Redis user without pub/sub rights (Redis 7 gives a new user no channels unless told):
@@ -493,17 +505,10 @@ async fn without_pub_sub_rights_replies_still_cross_engines() {
     let url = server.url().replace("redis://", "redis://weir:secret@");
     let connect = || RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
     let (here, there) = (connect().await.unwrap(), connect().await.unwrap());
-    for _ in 0..3 {
-        assert_eq!(
-            posted_by(&here, &there).await,
-            Some(200),
-            "the reply arrived"
-        );
-    }
+    assert_eq!(heard_of_three(&here, &there).await, 0, "found by polling");
     assert_eq!(posted_by(&here, &here).await, Some(200));
     assert!(
         !here.hears_other_engines(),
         "the channel is refused to this user"
     );
-    assert_eq!(here.replies_heard(), 0, "found by polling, not heard");
 }
