@@ -87,6 +87,8 @@ async fn run(engines: usize, duration: Duration, url: &str, servers: &[u32]) -> 
     )
     .await;
     let accepted: u64 = reports.iter().map(|r| r.ok()).sum();
+    // Requests that got no answer (a connection cut): the engine may have journaled them.
+    let unanswered: u64 = reports.iter().map(|r| r.errors).sum();
     let accept_secs = t0.elapsed().as_secs_f64();
     // Until every engine has nothing ready or in flight (one queue: any engine's view).
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -109,10 +111,13 @@ async fn run(engines: usize, duration: Duration, url: &str, servers: &[u32]) -> 
     for p in &ps {
         ran_by.push(metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-"]).await);
     }
+    let statuses: Vec<_> = reports.iter().map(|r| &r.statuses).collect();
     assert_eq!(
         ran_by.iter().sum::<u64>(),
         warm + accepted,
-        "every accepted event was journaled and run once, by one engine or another"
+        "every accepted event was journaled and run once, by one engine or another (ran by \
+         engine {ran_by:?}; accepted {warm} warming up and {accepted} after; answers by \
+         status {statuses:?}; {unanswered} requests got no answer)"
     );
     for p in ps {
         p.stop(Duration::from_secs(20)).await;
