@@ -210,7 +210,7 @@ async fn lone(q: Arc<dyn WorkQueue>, name: &str) -> String {
     )
 }
 
-/// As in [`lone`], but the reply is posted by another engine on the same Redis than the one
+/// As in [`lone`], but the reply is posted by another engine on the same Redis as the one
 /// where the request waits (its wave ran there).
 async fn lone_reply_across(here: Arc<dyn WorkQueue>, there: Arc<dyn WorkQueue>) -> String {
     let (mut post, mut replied) = (vec![], vec![]);

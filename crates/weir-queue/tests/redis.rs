@@ -397,6 +397,25 @@ async fn heard_of_three(here: &RedisQueue, there: &RedisQueue) -> u64 {
     here.replies_heard() - before
 }
 
+/// Two engines on the queue at `url`.
+async fn two_engines(url: &str, opts: RedisOptions) -> (RedisQueue, RedisQueue) {
+    let connect = || RedisQueue::connect(url, opts.clone(), Failpoints::new());
+    (connect().await.unwrap(), connect().await.unwrap())
+}
+
+/// Once `here` listens on the channel, replies `there` posts for requests waiting at `here`
+/// wake them (at least two of three: see [`heard_of_three`]).
+async fn the_channel_wakes_requests(here: &RedisQueue, there: &RedisQueue) {
+    until("the engine listens for posted replies", || {
+        here.hears_other_engines()
+    })
+    .await;
+    assert!(
+        heard_of_three(here, there).await >= 2,
+        "the channel woke the requests"
+    );
+}
+
 /// A `respond: wave` request waits at the engine that journaled its event; its wave may run,
 /// and its reply be posted, at another. That engine names the reply on the namespace's
 /// channel, and the waiting engine, which listens there, wakes the request at once rather
@@ -405,18 +424,8 @@ async fn heard_of_three(here: &RedisQueue, there: &RedisQueue) -> u64 {
 #[tokio::test]
 async fn a_reply_another_engine_posts_wakes_the_request_waiting_for_it() {
     let mut server = RedisServer::start();
-    let url = server.url();
-    let connect = || RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
-    let (here, there) = (connect().await.unwrap(), connect().await.unwrap());
-    until("the engine listens for posted replies", || {
-        here.hears_other_engines()
-    })
-    .await;
-
-    assert!(
-        heard_of_three(&here, &there).await >= 2,
-        "the channel woke the requests"
-    );
+    let (here, there) = two_engines(&server.url(), RedisOptions::default()).await;
+    the_channel_wakes_requests(&here, &there).await;
     assert_eq!(
         there.replies_heard(),
         0,
@@ -446,14 +455,7 @@ async fn a_reply_another_engine_posts_wakes_the_request_waiting_for_it() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-    until("the engine listens again after the restart", || {
-        here.hears_other_engines()
-    })
-    .await;
-    assert!(
-        heard_of_three(&here, &there).await >= 2,
-        "the channel wakes requests again"
-    );
+    the_channel_wakes_requests(&here, &there).await;
 }
 
 /// In a Redis Cluster every node hears a publish, so an engine listening on one hears the
@@ -461,24 +463,12 @@ async fn a_reply_another_engine_posts_wakes_the_request_waiting_for_it() {
 #[tokio::test]
 async fn a_reply_another_engine_posts_wakes_the_request_in_a_cluster_too() {
     let cluster = RedisCluster::start();
-    let opts = || RedisOptions {
+    let opts = RedisOptions {
         shards: 4,
         ..RedisOptions::default()
     };
-    let here = RedisQueue::connect(&cluster.url(), opts(), Failpoints::new())
-        .await
-        .unwrap();
-    let there = RedisQueue::connect(&cluster.url(), opts(), Failpoints::new())
-        .await
-        .unwrap();
-    until("the engine listens for posted replies", || {
-        here.hears_other_engines()
-    })
-    .await;
-    assert!(
-        heard_of_three(&here, &there).await >= 2,
-        "the channel woke the requests"
-    );
+    let (here, there) = two_engines(&cluster.url(), opts).await;
+    the_channel_wakes_requests(&here, &there).await;
 }
 
 /// A Redis user without pub/sub rights (Redis 7 gives a new user no channels unless told):
@@ -503,8 +493,7 @@ async fn without_pub_sub_rights_replies_still_cross_engines() {
         .await
         .unwrap();
     let url = server.url().replace("redis://", "redis://weir:secret@");
-    let connect = || RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
-    let (here, there) = (connect().await.unwrap(), connect().await.unwrap());
+    let (here, there) = two_engines(&url, RedisOptions::default()).await;
     assert_eq!(heard_of_three(&here, &there).await, 0, "found by polling");
     assert_eq!(posted_by(&here, &here).await, Some(200));
     assert!(
