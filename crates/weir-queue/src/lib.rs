@@ -359,6 +359,13 @@ pub trait WorkQueue: StateRead + Send + Sync {
         Ok(0)
     }
 
+    /// The last step of a clean shutdown: let go of what this engine holds, even while a task
+    /// somewhere still has a reference (an HTTP connection winding down), so that another
+    /// engine can open the same queue at once. The SQLite backend finishes the jobs sent
+    /// before, closes its file and releases its lock; calls after it fail as unavailable.
+    /// The default does nothing.
+    async fn close(&self) {}
+
     /// Promote delayed items due at `now` (ms); returns how many.
     async fn move_due(&self, now: i64) -> Result<usize, QueueError>;
 

@@ -405,6 +405,14 @@ enum Job {
     Claim(Waiter),
 }
 
+/// What the writer is sent: a job for its next batch, or the order to close.
+enum Msg {
+    Job(Job),
+    /// Stop after the jobs sent before this one: the connection is closed and the lock
+    /// released when the writer's thread ends.
+    Close,
+}
+
 /// An answer held until the transaction it belongs to is durable.
 enum Held {
     Run(oneshot::Sender<Answer>, Answer),
@@ -414,8 +422,8 @@ enum Held {
 
 /// The SQLite queue. `SqliteQueue::open("weir-data/queue.db", Failpoints::new())`.
 pub struct SqliteQueue {
-    jobs: mpsc::Sender<Job>,
-    writer: Option<std::thread::JoinHandle<()>>,
+    jobs: mpsc::Sender<Msg>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Transactions committed by the writer (each is one fsync), for benchmarks and tests.
     batches: Arc<std::sync::atomic::AtomicU64>,
     reader: Arc<Mutex<Connection>>,
@@ -565,7 +573,7 @@ impl SqliteQueue {
             .map_err(|e| QueueError::Open(format!("cannot start the writer thread: {e}")))?;
         Ok(SqliteQueue {
             jobs: tx,
-            writer: Some(handle),
+            writer: Mutex::new(Some(handle)),
             batches,
             reader: Arc::new(Mutex::new(reader)),
             paused: std::sync::RwLock::new(paused),
@@ -596,7 +604,7 @@ impl SqliteQueue {
         let run: Run = Box::new(move |c, w| f(c, w).map(|r| Box::new(r) as Box<dyn Any + Send>));
         let sent = std::time::Instant::now();
         self.jobs
-            .send(Job::Run { run, reply })
+            .send(Msg::Job(Job::Run { run, reply }))
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
         let answer = rx
             .await
@@ -655,7 +663,8 @@ impl Drop for SqliteQueue {
     fn drop(&mut self) {
         let (closed, _) = mpsc::channel();
         drop(std::mem::replace(&mut self.jobs, closed));
-        if let Some(h) = self.writer.take() {
+        let writer = self.writer.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = writer.take() {
             let _ = h.join();
         }
     }
@@ -691,12 +700,13 @@ fn migrate(conn: &mut Connection) -> Result<(), QueueError> {
 
 fn write_loop(
     conn: Connection,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Msg>,
     mut w: Writer,
     counter: &std::sync::atomic::AtomicU64,
 ) {
     let mut batches: u64 = 0;
-    loop {
+    let mut closing = false;
+    while !closing {
         expire_waiters(&mut w);
         // Wake for the first job, a waiting claim's deadline, or a delayed item falling due.
         let due_in = w
@@ -723,15 +733,10 @@ fn write_loop(
             },
         };
         let due = w.next_due.is_some_and(|d| d <= now_ms());
-        if first.is_none() && !due {
+        let mut batch: Vec<Job> = Vec::new();
+        closing = gather(&rx, first, &mut batch, MAX_BATCH);
+        if batch.is_empty() && !due {
             continue;
-        }
-        let mut batch: Vec<Job> = first.into_iter().collect();
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(j) => batch.push(j),
-                Err(_) => break,
-            }
         }
         if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
             let e = QueueError::from(e).to_string();
@@ -761,31 +766,35 @@ fn write_loop(
                 tracing::warn!(error = %e, "could not make due items ready; trying again");
             }
         }
-        for j in batch {
-            match j {
-                Job::Run { run, reply } => {
-                    let a = guarded(&conn, &mut poison, || run(&conn, &mut w));
-                    held.push(Held::Run(reply, a));
-                }
-                // Older claims are waiting: this one waits behind them. What this batch made
-                // ready goes to the oldest first (`serve_waiters` below), so a claim made
-                // later never takes an item ahead of one made earlier, and the executor,
-                // which starts each claim's items in the order it made the claims, starts
-                // them in journal order. (Items ready with claims waiting, after a batch
-                // was rolled back: served now as well.)
-                Job::Claim(x) if !w.waiters.is_empty() => {
-                    w.woke |= w.ready > 0;
-                    w.waiters.push(x);
-                }
-                Job::Claim(x) => {
-                    let got = guarded(&conn, &mut poison, || {
-                        claim_ready(&conn, &mut w, &x.consumer, x.max)
-                    });
-                    match got {
-                        Ok(items) if items.is_empty() && x.deadline > std::time::Instant::now() => {
-                            w.waiters.push(x)
+        while !batch.is_empty() {
+            for j in batch.drain(..) {
+                match j {
+                    Job::Run { run, reply } => {
+                        let a = guarded(&conn, &mut poison, || run(&conn, &mut w));
+                        held.push(Held::Run(reply, a));
+                    }
+                    // Older claims are waiting: this one waits behind them. What this batch made
+                    // ready goes to the oldest first (`serve_waiters` below), so a claim made
+                    // later never takes an item ahead of one made earlier, and the executor,
+                    // which starts each claim's items in the order it made the claims, starts
+                    // them in journal order. (Items ready with claims waiting, after a batch
+                    // was rolled back: served now as well.)
+                    Job::Claim(x) if !w.waiters.is_empty() => {
+                        w.woke |= w.ready > 0;
+                        w.waiters.push(x);
+                    }
+                    Job::Claim(x) => {
+                        let got = guarded(&conn, &mut poison, || {
+                            claim_ready(&conn, &mut w, &x.consumer, x.max)
+                        });
+                        match got {
+                            Ok(items)
+                                if items.is_empty() && x.deadline > std::time::Instant::now() =>
+                            {
+                                w.waiters.push(x)
+                            }
+                            got => held.push(Held::Claim(x, got)),
                         }
-                        got => held.push(Held::Claim(x, got)),
                     }
                 }
             }
@@ -875,7 +884,32 @@ fn write_loop(
             }
         }
     }
-    // The queue is closing: the claimers still waiting hear so from their dropped answers.
+    // The queue is closing: the claimers still waiting hear so from their dropped answers,
+    // and so do the jobs sent after the close (dropped with `rx`).
+}
+
+/// Take `first` and whatever else has been sent, up to `room` jobs, into `batch`; `true`
+/// when the writer was told to close (nothing sent after that is taken).
+fn gather(rx: &mpsc::Receiver<Msg>, first: Option<Msg>, batch: &mut Vec<Job>, room: usize) -> bool {
+    let mut next = first;
+    let mut taken = 0;
+    loop {
+        match next {
+            Some(Msg::Close) => return true,
+            Some(Msg::Job(j)) => {
+                batch.push(j);
+                taken += 1;
+            }
+            None => {}
+        }
+        if taken >= room {
+            return false;
+        }
+        match rx.try_recv() {
+            Ok(m) => next = Some(m),
+            Err(_) => return false,
+        }
+    }
 }
 
 /// Run one job of the batch. A job that fails must have written nothing (every job checks
@@ -1551,6 +1585,14 @@ impl WorkQueue for SqliteQueue {
         4
     }
 
+    async fn close(&self) {
+        let _ = self.jobs.send(Msg::Close);
+        let writer = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = writer {
+            let _ = tokio::task::spawn_blocking(move || h.join()).await;
+        }
+    }
+
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let max = self.max_ready;
         let rows = Encoded::all(items)?;
@@ -1629,13 +1671,13 @@ impl WorkQueue for SqliteQueue {
         // writer, which answers it by `wait` at the latest.
         let (reply, rx) = oneshot::channel();
         self.jobs
-            .send(Job::Claim(Waiter {
+            .send(Msg::Job(Job::Claim(Waiter {
                 consumer: consumer.to_string(),
                 max,
                 deadline: std::time::Instant::now() + wait,
                 reply,
                 taken: Vec::new(),
-            }))
+            })))
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
         let taken = rx
             .await

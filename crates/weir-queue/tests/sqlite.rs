@@ -26,6 +26,37 @@ async fn a_second_engine_on_the_same_file_is_refused() {
     SqliteQueue::open(&path, Failpoints::new()).expect("free again once the first is closed");
 }
 
+/// A shutdown frees the file although a task still holds the queue (an HTTP connection
+/// winding down after the server said it stopped): a restart right after must not be told
+/// that another engine has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_queue_frees_its_file_while_something_still_holds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("queue.db");
+    let q: Arc<dyn WorkQueue> = Arc::new(SqliteQueue::open(&path, Failpoints::new()).unwrap());
+    let held = q.clone();
+    // Sent just before the close: kept, not lost with it.
+    let adding = {
+        let q = q.clone();
+        tokio::spawn(async move { q.add(vec![item(1)]).await })
+    };
+    tokio::task::yield_now().await;
+    q.close().await;
+    let before = adding.await.unwrap();
+    let again = SqliteQueue::open(&path, Failpoints::new()).expect("free once closed");
+    let after = held.add(vec![item(2)]).await;
+    assert!(
+        matches!(after, Err(QueueError::Unavailable(_))),
+        "a closed queue refuses work: {after:?}"
+    );
+    let ready = again.stats().await.unwrap().ready;
+    assert_eq!(
+        ready,
+        usize::from(before.is_ok()),
+        "what was accepted before the close is kept, what was refused is not: {before:?}"
+    );
+}
+
 #[tokio::test]
 async fn items_and_delivery_counts_survive_a_reopen() {
     let dir = tempfile::tempdir().unwrap();

@@ -108,7 +108,7 @@ impl EngineBuilder {
         self
     }
 
-    /// Run on this queue.
+    /// Run on this queue. It stays the caller's: a shutdown leaves it open.
     pub fn queue(mut self, q: Arc<dyn WorkQueue>) -> Self {
         self.queue = QueueChoice::Given(q);
         self
@@ -333,6 +333,8 @@ pub struct RunningEngine {
     /// Where the admin API listens (the same as `addr` unless it was given its own).
     pub admin_addr: SocketAddr,
     pub queue: Arc<dyn WorkQueue>,
+    /// The engine opened its queue from a URL, so its shutdown closes it.
+    owns_queue: bool,
     reloader: Arc<Reloader>,
     stop: CancellationToken,
     intake: Intake,
@@ -367,9 +369,9 @@ impl Engine {
                  without a token: set WEIR_ADMIN_TOKEN, or put it on 127.0.0.1 with --admin"
             )));
         }
-        let queue = match self.queue {
-            QueueChoice::Given(q) => q,
-            QueueChoice::Url(url) => weir_queue::open(&url, self.failpoints.clone()).await?,
+        let (queue, owns_queue) = match self.queue {
+            QueueChoice::Given(q) => (q, false),
+            QueueChoice::Url(url) => (weir_queue::open(&url, self.failpoints.clone()).await?, true),
         };
         let bind = |at: SocketAddr| async move {
             let l = tokio::net::TcpListener::bind(at)
@@ -465,6 +467,7 @@ impl Engine {
             addr,
             admin_addr,
             queue,
+            owns_queue,
             reloader,
             stop,
             intake,
@@ -492,7 +495,8 @@ impl RunningEngine {
     }
 
     /// Stop intake (webhooks answer 503), finish the waves in flight up to the grace period,
-    /// stop the HTTP server.
+    /// stop the HTTP server, and close the queue the engine opened: on return its file is
+    /// free for the next engine.
     pub async fn shutdown(self) {
         tracing::info!("shutting down: intake closed, finishing waves in flight");
         self.intake.close();
@@ -504,6 +508,11 @@ impl RunningEngine {
         self.http_done.cancel();
         self.http.close();
         self.http.wait().await;
+        // A connection's task may still hold the queue for a moment after the server is
+        // done with it: closing it does not wait for that.
+        if self.owns_queue {
+            self.queue.close().await;
+        }
         tracing::info!("weir engine stopped");
     }
 }
