@@ -735,6 +735,7 @@ fn write_loop(
         let due = w.next_due.is_some_and(|d| d <= now_ms());
         let mut batch: Vec<Job> = Vec::new();
         closing = gather(&rx, first, &mut batch, MAX_BATCH);
+        let mut taken = batch.len();
         if batch.is_empty() && !due {
             continue;
         }
@@ -766,6 +767,8 @@ fn write_loop(
                 tracing::warn!(error = %e, "could not make due items ready; trying again");
             }
         }
+        // Jobs sent while the batch's SQL runs join it, before its COMMIT: otherwise each would
+        // wait for this whole transaction and then for its own.
         while !batch.is_empty() {
             for j in batch.drain(..) {
                 match j {
@@ -797,6 +800,10 @@ fn write_loop(
                         }
                     }
                 }
+            }
+            if !closing && taken < MAX_BATCH {
+                closing = gather(&rx, None, &mut batch, MAX_BATCH - taken);
+                taken += batch.len();
             }
         }
         // Items became ready in this transaction: hand them to the claimers waiting for
@@ -2092,6 +2099,33 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(reprepared, 0);
+    }
+
+    /// A job sent while the writer runs a batch's SQL joins that batch, so it waits for one
+    /// COMMIT, not for that one and then its own.
+    #[tokio::test]
+    async fn a_job_sent_while_a_batch_runs_joins_it() {
+        let q = SqliteQueue::temporary(Failpoints::new()).unwrap();
+        let (started, running) = oneshot::channel();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let before = q.batches();
+        let mut slow = std::pin::pin!(q.write(move |_, _| {
+            let _ = started.send(());
+            let _ = wait.recv_timeout(Duration::from_secs(10));
+            Ok(())
+        }));
+        // Polled once: sent, and now the writer runs it.
+        tokio::select! { biased; _ = &mut slow => panic!("answered before it ran"), _ = async {} => {} }
+        running.await.unwrap();
+        let one = item(1);
+        let id = one.id;
+        let mut add = std::pin::pin!(q.add(vec![one]));
+        tokio::select! { biased; _ = &mut add => panic!("answered while the batch runs"), _ = async {} => {} }
+        go.send(()).unwrap();
+        slow.await.unwrap();
+        add.await.unwrap();
+        assert!(q.get(id).await.unwrap().is_some());
+        assert_eq!(q.batches() - before, 1, "one transaction for both");
     }
 
     /// A claim gives each item its row, and the commit finds the item by it; a claim without
