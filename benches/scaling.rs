@@ -107,10 +107,20 @@ async fn run(engines: usize, duration: Duration, url: &str, servers: &[u32]) -> 
         .map(|(p, c)| (cpu_time(p.pid()) - c).as_secs_f64() / all)
         .collect();
     let redis_cpu = (server_cpu() - rcpu0).as_secs_f64() / all;
-    let mut ran_by = Vec::new();
-    for p in &ps {
-        ran_by.push(metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-"]).await);
-    }
+    // An engine counts a wave once its commit is answered, a moment after the queue shows
+    // the item ended: give the count a few seconds to catch up (the drain said every item
+    // ended; a count still short after that is an event lost).
+    let settle = Instant::now() + Duration::from_secs(5);
+    let ran_by = loop {
+        let mut ran_by = Vec::new();
+        for p in &ps {
+            ran_by.push(metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-"]).await);
+        }
+        if ran_by.iter().sum::<u64>() >= warm + accepted || Instant::now() > settle {
+            break ran_by;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let statuses: Vec<_> = reports.iter().map(|r| &r.statuses).collect();
     assert_eq!(
         ran_by.iter().sum::<u64>(),
