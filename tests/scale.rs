@@ -724,6 +724,17 @@ nodes:
         ran_by.get("a").copied().unwrap_or(0) > 0,
         "some waves ran on the engine that took the requests, woken by its own adds: {ran_by:?}"
     );
+    // What an operator sees of it: a listens for the replies b posts, and heard some (a poll
+    // may find a reply first, so not necessarily all of b's).
+    let base = admin(&a);
+    let listening =
+        weir_testkit::metric_sum(&base, "weir_redis_reply_channel_listening", &[]).await;
+    assert_eq!(listening, 1, "the reply channel is listened to");
+    let heard = weir_testkit::metric_sum(&base, "weir_redis_replies_heard_total", &[]).await;
+    assert!(
+        heard > 0,
+        "replies from b woke a's requests: {heard} of {ran_by:?}"
+    );
     a.shutdown().await;
     b.shutdown().await;
 }

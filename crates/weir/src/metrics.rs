@@ -119,6 +119,14 @@ pub fn describe() {
         "Time a queue write (journaling an event, a wave's commit, …) took from its request to its durable answer: waiting for the transaction under way, then its own"
     );
     describe_gauge!(
+        "weir_redis_reply_channel_listening",
+        "1 while this engine listens for the replies other engines post for its waiting `respond: wave` requests (Redis); 0 while it cannot, and polls for them up to 25 ms late"
+    );
+    describe_counter!(
+        "weir_redis_replies_heard_total",
+        "`respond: wave` requests woken by a reply another engine posted, heard on the channel (Redis)"
+    );
+    describe_gauge!(
         "weir_dead_letters_evicted",
         "Dead letters evicted past the backend's cap, all told"
     );

@@ -640,6 +640,7 @@ async fn hear_replies(
     // retries that follow, at `debug`.
     let mut said = false;
     loop {
+        metrics::gauge!("weir_redis_reply_channel_listening").set(0.0);
         let subscribed = async {
             let mut ps = client.get_async_pubsub().await?;
             ps.subscribe(&channel).await?;
@@ -652,6 +653,7 @@ async fn hear_replies(
                     Some(h) => h.listening.store(true, Ordering::Release),
                     None => return,
                 }
+                metrics::gauge!("weir_redis_reply_channel_listening").set(1.0);
                 let mut posted = ps.on_message();
                 while let Some(m) = posted.next().await {
                     let Some(waiters) = waiters.upgrade() else {
@@ -671,6 +673,7 @@ async fn hear_replies(
                         if let Some(h) = heard.upgrade() {
                             h.woke.fetch_add(1, Ordering::Relaxed);
                         }
+                        metrics::counter!("weir_redis_replies_heard_total").increment(1);
                     }
                 }
                 match heard.upgrade() {
