@@ -93,9 +93,6 @@ async fn run(
     }
 }
 
-/// Mosquitto's default: persistence on, the file saved every 30 minutes and at exit.
-const AUTOSAVE: &str = "autosave_interval 1800";
-
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -103,11 +100,7 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        // Mosquitto as it comes: the test kit's broker saves its persistence file every
-        // second (tests that restart it keep their sessions), and with a burst queued the
-        // pass-through read 17,700-30,200 msg/s in seven runs on one machine, against
-        // 25,100-32,000 in six at mosquitto's default (docs/performance-log.md, "The 15:22 run").
-        let broker = Mosquitto::start_with(AUTOSAVE);
+        let broker = Mosquitto::start();
         let base = Instant::now();
         let device = MqttPeer::connect(broker.port, "bench-device", None).await;
 
@@ -139,7 +132,7 @@ fn main() {
             pass_before
         };
 
-        println!("QoS 1 in and out; mosquitto 20 in flight per client, persistence on, {AUTOSAVE} (its default); weir on SQLite WAL synchronous=FULL");
+        println!("QoS 1 in and out; mosquitto 20 in flight per client; weir on SQLite WAL synchronous=FULL");
         println!("burst of {BURST} (latency includes the backlog):");
         let line = |name: &str, f: &Figures| {
             println!(
