@@ -35,7 +35,7 @@ async fn a_closed_queue_frees_its_file_while_something_still_holds_it() {
     let path = dir.path().join("queue.db");
     let q: Arc<dyn WorkQueue> = Arc::new(SqliteQueue::open(&path, Failpoints::new()).unwrap());
     let held = q.clone();
-    // Sent just before the close: kept, not lost with it.
+    // An add racing the close: kept if it was accepted, not journaled if it was refused.
     let adding = {
         let q = q.clone();
         tokio::spawn(async move { q.add(vec![item(1)]).await })
