@@ -16,6 +16,9 @@ use weir_testkit::{start_with, Mosquitto, MqttPeer};
 const BURST: u64 = 20_000;
 const PACED: u64 = 1000;
 const PACE: Duration = Duration::from_millis(2);
+/// Publishes in flight for the second pass-through, which shows what the broker itself can
+/// pass when the publisher is not held by its window.
+const WIDE: u16 = 100;
 
 const FLOW: &str = r#"
 id: bench
@@ -131,6 +134,11 @@ fn main() {
         } else {
             pass_before
         };
+        // The same pass-through with the publisher allowed 100 publishes in flight instead
+        // of 20: on a machine where a round trip to the broker is slow, 20 in flight bound
+        // the publisher, not the broker (docs/performance-log.md, "The 15:22 run").
+        let wide = MqttPeer::connect_with(broker.port, "bench-device-wide", None, WIDE).await;
+        let pass_wide = run(&wide, &direct, "pass", base, BURST, None).await;
 
         println!("QoS 1 in and out; mosquitto 20 in flight per client; weir on SQLite WAL synchronous=FULL");
         println!("burst of {BURST} (latency includes the backlog):");
@@ -143,6 +151,11 @@ fn main() {
         line("  broker pass-through", &pass);
         line("  weir in → function → out", &weir);
         println!("  ratio (weir / pass-through): {:.2}", weir.rate / pass.rate);
+        println!(
+            "  the broker's own capacity: {:.0} msg/s passed through with {WIDE} publishes in flight instead of 20 (weir / that: {:.2})",
+            pass_wide.rate,
+            weir.rate / pass_wide.rate
+        );
         let per = |d: Duration| d.as_secs_f64() * 1e6 / BURST as f64;
         let (broker_pass, broker_weir) = (per(cpu_pass.of[0]), per(cpu_weir.of[0]));
         println!(

@@ -661,14 +661,24 @@ impl MqttPeer {
     }
 
     /// Connect as `id` (a persistent session) and subscribe to `filter` if given; returns
-    /// once the subscription is acknowledged.
+    /// once the subscription is acknowledged. At most 20 of its publishes are in flight.
     pub async fn connect(port: u16, id: &str, filter: Option<&str>) -> MqttPeer {
+        Self::connect_with(port, id, filter, 20).await
+    }
+
+    /// As [`MqttPeer::connect`], with at most `inflight` of its publishes in flight.
+    pub async fn connect_with(
+        port: u16,
+        id: &str,
+        filter: Option<&str>,
+        inflight: u16,
+    ) -> MqttPeer {
         let mut o = rumqttc::MqttOptions::new(id, "127.0.0.1", port);
         o.set_clean_session(false)
             .set_keep_alive(Duration::from_secs(30))
             .set_max_packet_size(1 << 20, 1 << 20)
             .set_request_channel_capacity(10_000)
-            .set_inflight(20);
+            .set_inflight(inflight);
         let (client, mut events) = rumqttc::AsyncClient::new(o, 10_000);
         let got: Received = Arc::default();
         let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
