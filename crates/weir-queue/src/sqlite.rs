@@ -895,21 +895,17 @@ fn write_loop(
     // and so do the jobs sent after the close (dropped with `rx`).
 }
 
-/// Take `first` and whatever else has been sent, up to `room` jobs, into `batch`; `true`
-/// when the writer was told to close (nothing sent after that is taken).
+/// Take `first` and whatever else has been sent into `batch`, until it holds `room` jobs;
+/// `true` when the writer was told to close (nothing sent after that is taken).
 fn gather(rx: &mpsc::Receiver<Msg>, first: Option<Msg>, batch: &mut Vec<Job>, room: usize) -> bool {
     let mut next = first;
-    let mut taken = 0;
     loop {
         match next {
             Some(Msg::Close) => return true,
-            Some(Msg::Job(j)) => {
-                batch.push(j);
-                taken += 1;
-            }
+            Some(Msg::Job(j)) => batch.push(j),
             None => {}
         }
-        if taken >= room {
+        if batch.len() >= room {
             return false;
         }
         match rx.try_recv() {
