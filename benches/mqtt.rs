@@ -1,15 +1,18 @@
 //! MQTT in → function → MQTT out on the durable default (SQLite, synchronous=FULL), beside
 //! the broker's own pass-through (a client publishing straight to a subscriber through the
 //! same broker), measured in the same run: messages per second and latency percentiles.
-//! Every message sent must arrive (checked). Run: `cargo bench --bench mqtt`.
+//! Every message sent must arrive, and the engine must have journaled and run each once
+//! (checked). Run: `cargo bench --bench mqtt`.
+//!
+//! The engine is the `weir` binary users run (`weir run FLOWS --mqtt URL`, on its default
+//! allocator), in a process of its own, so its CPU is read off its own PID.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use weir::Failpoints;
 use weir_testkit::ceilings::{cores, CpuUse};
-use weir_testkit::{start_with, Mosquitto, MqttPeer};
+use weir_testkit::{metric_sum, Mosquitto, MqttPeer, WeirProcess};
 
 /// Messages per run: a burst of `BURST` sent as fast as the client can, then `PACED` at
 /// `PACE` apart (latency with no backlog).
@@ -109,7 +112,7 @@ fn main() {
 
         let direct = MqttPeer::connect(broker.port, "bench-direct", Some("pass/#")).await;
         let broker_pid = broker.pid().expect("the bench's own broker");
-        // The broker, and this process: the bench's clients (and the engine, once started).
+        // The broker, and this process: the bench's clients.
         let watched = [broker_pid, std::process::id()];
         let cpu0 = CpuUse::now(&watched);
         let pass_before = run(&device, &direct, "pass", base, BURST, None).await;
@@ -117,15 +120,38 @@ fn main() {
         let pass_paced = run(&device, &direct, "pass", base, PACED, Some(PACE)).await;
 
         let data = tempfile::tempdir().unwrap();
+        let flows = data.path().join("flows");
+        std::fs::create_dir_all(&flows).unwrap();
+        std::fs::write(flows.join("bench.yaml"), FLOW).unwrap();
         let queue = format!("sqlite:{}/queue.db", data.path().display());
-        let e = start_with(&queue, Some(&broker.url()), &[("bench.yaml", FLOW)], Failpoints::new()).await;
+        let engine = WeirProcess::start(&flows, &queue, &["--mqtt", &broker.url()]).await;
         let observer = MqttPeer::connect(broker.port, "bench-observer", Some("bench/out")).await;
         tokio::time::sleep(Duration::from_millis(500)).await; // the engine's subscription
+        let watched = [broker_pid, std::process::id(), engine.pid()];
         let cpu0 = CpuUse::now(&watched);
         let weir = run(&device, &observer, "bench/in", base, BURST, None).await;
         let cpu_weir = cpu0.since(&watched);
         let weir_paced = run(&device, &observer, "bench/in", base, PACED, Some(PACE)).await;
-        e.shutdown().await;
+        // The engine's own count: every message journaled once and its wave ended once (an
+        // ack counted a moment after its commit, so given a few seconds to catch up).
+        let sent = BURST + PACED;
+        let journaled = metric_sum(&engine.base, "weir_events_total", &["flow=\"bench\""]).await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let ended = loop {
+            let ended =
+                metric_sum(&engine.base, "weir_items_ended_total", &["flow=\"bench\""]).await;
+            if ended >= sent || Instant::now() > deadline {
+                break ended;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(journaled, sent, "every message sent was journaled once");
+        assert_eq!(ended, sent, "every journaled message's wave ended once");
+        assert_eq!(
+            engine.stop(Duration::from_secs(10)).await,
+            Some(0),
+            "the engine stops cleanly"
+        );
         // The machine is shared and noisy: the ceiling is the better of two runs, one before
         // weir's and one after.
         let pass_after = run(&device, &direct, "pass", base, BURST, None).await;
@@ -141,6 +167,7 @@ fn main() {
         let pass_wide = run(&wide, &direct, "pass", base, BURST, None).await;
 
         println!("QoS 1 in and out; mosquitto 20 in flight per client; weir on SQLite WAL synchronous=FULL");
+        println!("journaled by the engine: {journaled} of {sent} sent, each run once");
         println!("burst of {BURST} (latency includes the backlog):");
         let line = |name: &str, f: &Figures| {
             println!(
@@ -162,29 +189,28 @@ fn main() {
             "  broker CPU per message: {broker_pass:.1} µs passing through, {broker_weir:.1} µs for weir's in and out (two hops each way); the broker alone caps weir at {:.0} msg/s on one core",
             1e6 / broker_weir.max(0.001)
         );
-        // Where the machine's CPU goes. The clients (one publisher, one subscriber) do the
-        // same per message on either path, so their cost is read off the pass-through run,
-        // when nothing else runs in this process; on weir's path the rest of this
-        // process's time is the engine's.
+        // Where the machine's CPU goes: the broker's, this process's (the clients: one
+        // publisher, one subscriber) and the engine's, each read off its own PID.
         let cores = cores();
         let clients = per(cpu_pass.of[1]);
-        let engine = (per(cpu_weir.of[1]) - clients).max(0.0);
+        let clients_weir = per(cpu_weir.of[1]);
+        let engine = per(cpu_weir.of[2]);
         println!(
-            "  CPU per message: pass-through {:.1} µs (broker {broker_pass:.1}, clients {clients:.1}; {:.2} of {cores:.0} cores busy); weir's path {:.1} µs (broker {broker_weir:.1}, clients {clients:.1}, engine {engine:.1}; {:.2} of {cores:.0} cores busy)",
+            "  CPU per message: pass-through {:.1} µs (broker {broker_pass:.1}, clients {clients:.1}; {:.2} of {cores:.0} cores busy); weir's path {:.1} µs (broker {broker_weir:.1}, clients {clients_weir:.1}, engine {engine:.1}; {:.2} of {cores:.0} cores busy)",
             broker_pass + clients,
             cpu_pass.cores_busy(),
-            broker_weir + clients + engine,
+            broker_weir + clients_weir + engine,
             cpu_weir.cores_busy(),
         );
         // What the cores allow: at 0.9 of the pass-through, weir's path may cost at most
         // cores / (0.9 × rate) per message; the broker's and the clients' part of it is fixed
         // by the broker and the load, whatever the engine does.
         let budget = cores * 1e6 / (0.9 * pass.rate);
-        let left = budget - broker_weir - clients;
+        let left = budget - broker_weir - clients_weir;
         println!(
             "  the cores allow: at most {:.2} of pass-through with this engine, {:.2} with an engine that cost nothing; 0.9 leaves the engine {left:.1} µs a message (it used {engine:.1})",
-            cores * 1e6 / (broker_weir + clients + engine).max(0.001) / pass.rate,
-            cores * 1e6 / (broker_weir + clients).max(0.001) / pass.rate,
+            cores * 1e6 / (broker_weir + clients_weir + engine).max(0.001) / pass.rate,
+            cores * 1e6 / (broker_weir + clients_weir).max(0.001) / pass.rate,
         );
         println!("{PACED} paced {PACE:?} apart (latency without a backlog):");
         line("  broker pass-through", &pass_paced);
