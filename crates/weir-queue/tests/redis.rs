@@ -501,3 +501,104 @@ async fn without_pub_sub_rights_replies_still_cross_engines() {
         "the channel is refused to this user"
     );
 }
+
+/// The gauges this process sets, by name: a recorder of this test's own (the process-wide
+/// one would also count other tests' queues).
+#[derive(Default)]
+struct Gauges(std::sync::Mutex<std::collections::HashMap<String, f64>>);
+
+struct GaugeOf(std::sync::Arc<Gauges>, String);
+
+impl metrics::GaugeFn for GaugeOf {
+    fn increment(&self, v: f64) {
+        *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() += v;
+    }
+    fn decrement(&self, v: f64) {
+        self.increment(-v);
+    }
+    fn set(&self, v: f64) {
+        self.0 .0.lock().unwrap().insert(self.1.clone(), v);
+    }
+}
+
+struct Recorder(std::sync::Arc<Gauges>);
+
+impl metrics::Recorder for Recorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::from_arc(std::sync::Arc::new(GaugeOf(
+            self.0.clone(),
+            key.name().to_string(),
+        )))
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// `weir_redis_reply_channel_listening` is 1 while the queue listens for posted replies, and
+/// 0 again once it is dropped (its listener is stopped mid-wait, which used to leave the
+/// gauge at 1).
+#[test]
+fn the_listening_gauge_goes_back_to_zero_when_the_queue_is_dropped() {
+    let server = RedisServer::start();
+    let gauges = std::sync::Arc::new(Gauges::default());
+    let listening = {
+        let g = gauges.clone();
+        move || {
+            g.0.lock()
+                .unwrap()
+                .get("weir_redis_reply_channel_listening")
+                .copied()
+                .unwrap_or(0.0)
+        }
+    };
+    let recorder = Recorder(gauges.clone());
+    // A runtime on this thread only, so that the listener's task records to this recorder.
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let q =
+                    RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
+                        .await
+                        .unwrap();
+                until("the queue listens for posted replies", || {
+                    q.hears_other_engines()
+                })
+                .await;
+                assert_eq!(listening(), 1.0, "the queue listens");
+                drop(q);
+                until("the gauge goes back to 0", || listening() == 0.0).await;
+            })
+    });
+}

@@ -639,8 +639,10 @@ async fn hear_replies(
     // The first failure is said at `warn` (pub/sub refused to this user stays so); the
     // retries that follow, at `debug`.
     let mut said = false;
+    // Counted off however this task ends, an abort when the queue is dropped included.
+    let mut gauge = ListeningGauge(false);
     loop {
-        metrics::gauge!("weir_redis_reply_channel_listening").set(0.0);
+        gauge.set(false);
         let subscribed = async {
             let mut ps = client.get_async_pubsub().await?;
             ps.subscribe(&channel).await?;
@@ -653,7 +655,7 @@ async fn hear_replies(
                     Some(h) => h.listening.store(true, Ordering::Release),
                     None => return,
                 }
-                metrics::gauge!("weir_redis_reply_channel_listening").set(1.0);
+                gauge.set(true);
                 let mut posted = ps.on_message();
                 while let Some(m) = posted.next().await {
                     let Some(waiters) = waiters.upgrade() else {
@@ -698,6 +700,26 @@ async fn hear_replies(
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// `weir_redis_reply_channel_listening`: 1 while the listener is subscribed, 0 when it is
+/// not, and 0 again when its task ends, an abort when the queue is dropped included (the
+/// gauge is the process's: an engine's, for the daemon).
+struct ListeningGauge(bool);
+
+impl ListeningGauge {
+    fn set(&mut self, on: bool) {
+        metrics::gauge!("weir_redis_reply_channel_listening").set(if on { 1.0 } else { 0.0 });
+        self.0 = on;
+    }
+}
+
+impl Drop for ListeningGauge {
+    fn drop(&mut self) {
+        if self.0 {
+            self.set(false);
+        }
     }
 }
 
