@@ -300,6 +300,36 @@ pub async fn post_admin(engine: &RunningEngine, path: &str) -> Value {
         .expect("JSON")
 }
 
+/// `cargo build` for the `weir` binary, run from a test or a bench, in the environment a
+/// shell would give it. Cargo sets the package's variables (`CARGO_PKG_NAME`,
+/// `CARGO_MANIFEST_DIR`, …) for the test process it runs, and `ring`'s build script is run
+/// again whenever one of them changes: a build inheriting them and one made from a shell
+/// (`bash benches/run` starts with one) each made the other rebuild the release binary,
+/// minutes of fat LTO each time.
+fn cargo_build() -> std::process::Command {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut c = std::process::Command::new(cargo);
+    c.args(["build", "-q", "-p", "weir", "--bin", "weir"]);
+    for (k, _) in std::env::vars_os() {
+        let set_for_the_test = k.to_str().is_some_and(|k| {
+            k.starts_with("CARGO_PKG_")
+                || matches!(
+                    k,
+                    "CARGO_MANIFEST_DIR"
+                        | "CARGO_MANIFEST_PATH"
+                        | "CARGO_CRATE_NAME"
+                        | "CARGO_BIN_NAME"
+                        | "CARGO_PRIMARY_PACKAGE"
+                        | "CARGO_TARGET_TMPDIR"
+                )
+        });
+        if set_for_the_test {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
 /// The `weir` binary of these sources, brought up to date by cargo at the first call in a
 /// test process.
 pub fn weir_bin() -> std::path::PathBuf {
@@ -313,11 +343,9 @@ pub fn weir_bin() -> std::path::PathBuf {
             .and_then(|d| d.parent())
             .expect("target dir")
             .to_path_buf();
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         // A benchmark runs from target/release: build the binary it measures the same way.
         let release = dir.ends_with("release");
-        let status = std::process::Command::new(cargo)
-            .args(["build", "-q", "-p", "weir", "--bin", "weir"])
+        let status = cargo_build()
             .args(release.then_some("--release"))
             .status()
             .expect("cargo runs");
@@ -339,9 +367,8 @@ pub fn weir_bin_with(args: &[&str]) -> std::path::PathBuf {
         .and_then(|d| d.parent())
         .expect("target dir")
         .join(format!("build{}", args.concat().replace([',', ' '], "-")));
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = std::process::Command::new(cargo)
-        .args(["build", "-q", "--release", "-p", "weir", "--bin", "weir"])
+    let status = cargo_build()
+        .arg("--release")
         .args(args)
         .arg("--target-dir")
         .arg(&target)
