@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use weir_testkit::ceilings::{cores, CpuUse};
+use weir_testkit::ceilings::{cores, fsync_probe, transactions, CpuUse, Writer};
 use weir_testkit::{metric_sum, Mosquitto, MqttPeer, WeirProcess};
 
 /// Messages per run: a burst of `BURST` sent as fast as the client can, then `PACED` at
@@ -120,6 +120,8 @@ fn main() {
         let pass_paced = run(&device, &direct, "pass", base, PACED, Some(PACE)).await;
 
         let data = tempfile::tempdir().unwrap();
+        // What one fdatasync costs and how many the disk does, where the queue will be.
+        let fsync = fsync_probe(data.path());
         let flows = data.path().join("flows");
         std::fs::create_dir_all(&flows).unwrap();
         std::fs::write(flows.join("bench.yaml"), FLOW).unwrap();
@@ -128,9 +130,17 @@ fn main() {
         let observer = MqttPeer::connect(broker.port, "bench-observer", Some("bench/out")).await;
         tokio::time::sleep(Duration::from_millis(500)).await; // the engine's subscription
         let watched = [broker_pid, std::process::id(), engine.pid()];
+        let tx0 = transactions(&engine.base).await;
+        let writer0 = Writer::now(&engine.base, engine.pid()).await;
         let cpu0 = CpuUse::now(&watched);
         let weir = run(&device, &observer, "bench/in", base, BURST, None).await;
         let cpu_weir = cpu0.since(&watched);
+        let committed = transactions(&engine.base).await - tx0;
+        let writer = writer0.since(
+            &Writer::now(&engine.base, engine.pid()).await,
+            committed,
+            fsync.cpu_each,
+        );
         let weir_paced = run(&device, &observer, "bench/in", base, PACED, Some(PACE)).await;
         // The engine's own count: every message journaled once and its wave ended once (an
         // ack counted a moment after its commit, so given a few seconds to catch up).
@@ -166,7 +176,7 @@ fn main() {
         let wide = MqttPeer::connect_with(broker.port, "bench-device-wide", None, WIDE).await;
         let pass_wide = run(&wide, &direct, "pass", base, BURST, None).await;
 
-        println!("QoS 1 in and out; mosquitto 20 in flight per client; weir on SQLite WAL synchronous=FULL");
+        println!("QoS 1 in and out; mosquitto 20 in flight per client; weir on SQLite WAL synchronous=FULL; fsync ceiling in this run {:.0}/s, each costing {:.0} µs of CPU", fsync.per_second, fsync.cpu_each.as_secs_f64() * 1e6);
         println!("journaled by the engine: {journaled} of {sent} sent, each run once");
         println!("burst of {BURST} (latency includes the backlog):");
         let line = |name: &str, f: &Figures| {
@@ -211,6 +221,12 @@ fn main() {
             "  the cores allow: at most {:.2} of pass-through with this engine, {:.2} with an engine that cost nothing; 0.9 leaves the engine {left:.1} µs a message (it used {engine:.1})",
             cores * 1e6 / (broker_weir + clients_weir + engine).max(0.001) / pass.rate,
             cores * 1e6 / (broker_weir + clients_weir).max(0.001) / pass.rate,
+        );
+        // The engine's own chain: each message is written twice (its journaling, its wave's
+        // commit), by one writer.
+        println!(
+            "  {:.1} messages a transaction ({committed} transactions for the burst)\n{writer}",
+            BURST as f64 / committed.max(1) as f64
         );
         println!("{PACED} paced {PACE:?} apart (latency without a backlog):");
         line("  broker pass-through", &pass_paced);

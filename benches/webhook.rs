@@ -26,9 +26,9 @@ use axum::routing::post;
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
-use weir_testkit::ceilings::{cores, cpu_time, fsync_probe, rss_kib, threads_cpu_time, CpuUse};
+use weir_testkit::ceilings::{cores, cpu_time, fsync_probe, rss_kib, transactions, CpuUse, Writer};
 use weir_testkit::load::{self, accept_chain, accept_flow, bench_secs, LoadReport, LoadSpec};
-use weir_testkit::{metric_sum, metric_sum_f64, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
+use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
 
 const CONNECTIONS: usize = 16;
 
@@ -111,52 +111,6 @@ struct Watch {
     writer: Writer,
 }
 
-/// The SQLite writer thread so far: its CPU time, and the time spent inside its COMMITs.
-struct Writer {
-    at: Instant,
-    cpu: Duration,
-    in_commit: f64,
-    /// Writes answered, and their time from request to durable answer, summed.
-    writes: f64,
-    waited: f64,
-}
-
-impl Writer {
-    async fn now(p: &WeirProcess) -> Writer {
-        let m = |name| metric_sum_f64(&p.base, name, &[]);
-        Writer {
-            at: Instant::now(),
-            cpu: threads_cpu_time(p.pid(), WRITER_THREAD),
-            in_commit: m("weir_sqlite_commit_seconds_sum").await,
-            writes: m("weir_sqlite_wait_seconds_count").await,
-            waited: m("weir_sqlite_wait_seconds_sum").await,
-        }
-    }
-
-    /// How busy the writer was since `self`, the share of the time inside COMMIT, each
-    /// COMMIT's time, and how long a write waited. Every event is written twice (its
-    /// journaling, its wave's commit) and every request waits for the first, so a writer
-    /// near 100 % is the chain every request waits on. A COMMIT's time is partly CPU (its
-    /// fdatasync's, `fsync_cpu` each, counted once). Claims are not writes here: they wait
-    /// for work by design.
-    fn since(self, now: &Writer, committed: u64, fsync_cpu: Duration) -> String {
-        let wall = (now.at - self.at).as_secs_f64();
-        let cpu = (now.cpu - self.cpu).as_secs_f64() / wall;
-        let commit = (now.in_commit - self.in_commit) / wall;
-        let fsyncs = committed as f64 * fsync_cpu.as_secs_f64() / wall;
-        let cycle = wall * 1e6 / committed.max(1) as f64;
-        let waited = (now.waited - self.waited) * 1e6 / (now.writes - self.writes).max(1.0);
-        format!(
-            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included); a transaction every {cycle:.0} µs, and a write (journaling, commit) waited {waited:.0} µs for its durable answer, {:.1} transactions' time",
-            ((cpu + commit - fsyncs) * 100.0).clamp(0.0, 100.0),
-            cpu * 100.0,
-            commit * 100.0,
-            commit * wall * 1e6 / committed.max(1) as f64,
-            waited / cycle
-        )
-    }
-}
-
 /// The most requests a second that any engine answering after an fsync of one log could
 /// serve over `CONNECTIONS`, from this run's bare HTTP rate and fsync rate: the connections
 /// over (a bare HTTP round trip + 1.5 fsyncs: a request waits out the rest of the flush
@@ -179,9 +133,6 @@ impl Floor {
     }
 }
 
-/// The SQLite writer's thread name, as the kernel keeps it (15 bytes).
-const WRITER_THREAD: &str = "weir-sqlite-wri";
-
 impl Watch {
     async fn start(p: &WeirProcess) -> Watch {
         let pids = [p.pid(), std::process::id()];
@@ -189,7 +140,7 @@ impl Watch {
             pids,
             cpu: CpuUse::now(&pids),
             transactions: transactions(&p.base).await,
-            writer: Writer::now(p).await,
+            writer: Writer::now(&p.base, p.pid()).await,
         }
     }
 
@@ -202,7 +153,9 @@ impl Watch {
     async fn report(self, p: &WeirProcess, n: u64, fsync: Duration, target: f64) -> String {
         let used = self.cpu.since(&self.pids);
         let committed = transactions(&p.base).await - self.transactions;
-        let writer = self.writer.since(&Writer::now(p).await, committed, fsync);
+        let writer = self
+            .writer
+            .since(&Writer::now(&p.base, p.pid()).await, committed, fsync);
         let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
         let (engine, load) = (per(used.of[0]), per(used.of[1]));
         let per_tx = n as f64 / committed.max(1) as f64;
@@ -215,11 +168,6 @@ impl Watch {
             cores * 1e6 / target - load
         )
     }
-}
-
-/// Transactions the engine's SQLite writer has committed so far.
-async fn transactions(base: &str) -> u64 {
-    metric_sum(base, "weir_sqlite_transactions_total", &[]).await
 }
 
 /// Copy the example flows and write the bench's own beside them.

@@ -464,6 +464,61 @@ pub async fn redis_lean_scripts(url: &str, body: &str, batch: usize, rounds: u64
     (rounds * batch as u64) as f64 / t.elapsed().as_secs_f64()
 }
 
+/// The SQLite writer thread so far: its CPU time, and the time spent inside its COMMITs.
+pub struct Writer {
+    at: Instant,
+    cpu: Duration,
+    in_commit: f64,
+    /// Writes answered, and their time from request to durable answer, summed.
+    writes: f64,
+    waited: f64,
+}
+
+impl Writer {
+    /// The writer of the engine whose admin API is at `base`, in process `pid`.
+    pub async fn now(base: &str, pid: u32) -> Writer {
+        let m = |name| crate::metric_sum_f64(base, name, &[]);
+        Writer {
+            at: Instant::now(),
+            cpu: threads_cpu_time(pid, WRITER_THREAD),
+            in_commit: m("weir_sqlite_commit_seconds_sum").await,
+            writes: m("weir_sqlite_wait_seconds_count").await,
+            waited: m("weir_sqlite_wait_seconds_sum").await,
+        }
+    }
+
+    /// How busy the writer was since `self`, the share of the time inside COMMIT, each
+    /// COMMIT's time, and how long a write waited. Every event is written twice (its
+    /// journaling, its wave's commit) and every request waits for the first, so a writer
+    /// near 100 % is the chain every request waits on. A COMMIT's time is partly CPU (its
+    /// fdatasync's, `fsync_cpu` each, counted once). Claims are not writes here: they wait
+    /// for work by design.
+    pub fn since(self, now: &Writer, committed: u64, fsync_cpu: Duration) -> String {
+        let wall = (now.at - self.at).as_secs_f64();
+        let cpu = (now.cpu - self.cpu).as_secs_f64() / wall;
+        let commit = (now.in_commit - self.in_commit) / wall;
+        let fsyncs = committed as f64 * fsync_cpu.as_secs_f64() / wall;
+        let cycle = wall * 1e6 / committed.max(1) as f64;
+        let waited = (now.waited - self.waited) * 1e6 / (now.writes - self.writes).max(1.0);
+        format!(
+            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included); a transaction every {cycle:.0} µs, and a write (journaling, commit) waited {waited:.0} µs for its durable answer, {:.1} transactions' time",
+            ((cpu + commit - fsyncs) * 100.0).clamp(0.0, 100.0),
+            cpu * 100.0,
+            commit * 100.0,
+            commit * wall * 1e6 / committed.max(1) as f64,
+            waited / cycle
+        )
+    }
+}
+
+/// The SQLite writer's thread name, as the kernel keeps it (15 bytes).
+const WRITER_THREAD: &str = "weir-sqlite-wri";
+
+/// Transactions the SQLite writer of the engine at `base` has committed so far.
+pub async fn transactions(base: &str) -> u64 {
+    crate::metric_sum(base, "weir_sqlite_transactions_total", &[]).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
