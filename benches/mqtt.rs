@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use weir_testkit::ceilings::{cores, fsync_probe, transactions, CpuUse, Writer};
+use weir_testkit::ceilings::{cores, fsync_probe, storage_written, transactions, CpuUse, Writer};
 use weir_testkit::{metric_sum, Mosquitto, MqttPeer, WeirProcess};
 
 /// Messages per run: a burst of `BURST` sent as fast as the client can, then `PACED` at
@@ -132,10 +132,12 @@ fn main() {
         let watched = [broker_pid, std::process::id(), engine.pid()];
         let tx0 = transactions(&engine.base).await;
         let writer0 = Writer::now(&engine.base, engine.pid()).await;
+        let stored0 = storage_written(engine.pid());
         let cpu0 = CpuUse::now(&watched);
         let weir = run(&device, &observer, "bench/in", base, BURST, None).await;
         let cpu_weir = cpu0.since(&watched);
         let committed = transactions(&engine.base).await - tx0;
+        let stored = storage_written(engine.pid()) - stored0;
         let writer = writer0.since(
             &Writer::now(&engine.base, engine.pid()).await,
             committed,
@@ -225,8 +227,10 @@ fn main() {
         // The engine's own chain: each message is written twice (its journaling, its wave's
         // commit), by one writer.
         println!(
-            "  {:.1} messages a transaction ({committed} transactions for the burst)\n{writer}",
-            BURST as f64 / committed.max(1) as f64
+            "  {:.1} messages a transaction ({committed} transactions for the burst); the engine wrote {:.0} B to storage a message, {:.1} KiB a transaction\n{writer}",
+            BURST as f64 / committed.max(1) as f64,
+            stored as f64 / BURST as f64,
+            stored as f64 / 1024.0 / committed.max(1) as f64,
         );
         println!("{PACED} paced {PACE:?} apart (latency without a backlog):");
         line("  broker pass-through", &pass_paced);

@@ -110,6 +110,17 @@ pub fn sqlite_batched(dir: &Path, per_tx: usize, secs: f64) -> Bare {
 
 /// Bytes this process has written through `write` and `pwrite` so far (`wchar` in
 /// /proc/self/io): what a SQLite transaction puts in its WAL, repeatable where timings are not.
+/// Bytes process `pid` has had written to storage so far (`write_bytes` of /proc/PID/io:
+/// file writes, the WAL's frames and checkpoints, not socket traffic).
+pub fn storage_written(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/io"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 pub fn bytes_written() -> u64 {
     std::fs::read_to_string("/proc/self/io")
         .unwrap_or_default()
