@@ -108,26 +108,26 @@ pub fn sqlite_batched(dir: &Path, per_tx: usize, secs: f64) -> Bare {
     bare
 }
 
-/// Bytes this process has written through `write` and `pwrite` so far (`wchar` in
-/// /proc/self/io): what a SQLite transaction puts in its WAL, repeatable where timings are not.
 /// Bytes process `pid` has had written to storage so far (`write_bytes` of /proc/PID/io:
 /// file writes, the WAL's frames and checkpoints, not socket traffic).
 pub fn storage_written(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/io"))
+    io_count(&format!("/proc/{pid}/io"), "write_bytes:")
+}
+
+/// One count of a /proc/…/io file (0 when it cannot be read).
+fn io_count(path: &str, field: &str) -> u64 {
+    std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
-        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
 }
 
+/// Bytes this process has written through `write` and `pwrite` so far (`wchar` in
+/// /proc/self/io): what a SQLite transaction puts in its WAL, repeatable where timings are not.
 pub fn bytes_written() -> u64 {
-    std::fs::read_to_string("/proc/self/io")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("wchar:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+    io_count("/proc/self/io", "wchar:")
 }
 
 /// Resident memory of process `pid` now and at its peak (VmRSS, VmHWM), in KiB.
