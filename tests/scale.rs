@@ -729,7 +729,11 @@ nodes:
     let base = admin(&a);
     let listening =
         weir_testkit::metric_sum(&base, "weir_redis_reply_channel_listening", &[]).await;
-    assert_eq!(listening, 1, "the reply channel is listened to");
+    // The gauge is the process's: a and b each count 1 (other tests' engines may add theirs).
+    assert!(
+        listening >= 2,
+        "both engines listen on the reply channel: {listening}"
+    );
     let heard = weir_testkit::metric_sum(&base, "weir_redis_replies_heard_total", &[]).await;
     assert!(
         heard > 0,

@@ -563,11 +563,12 @@ impl metrics::Recorder for Recorder {
     }
 }
 
-/// `weir_redis_reply_channel_listening` is 1 while the queue listens for posted replies, and
-/// 0 again once it is dropped (its listener is stopped mid-wait, which used to leave the
-/// gauge at 1).
+/// `weir_redis_reply_channel_listening` counts the queues of this process that listen for
+/// posted replies: each counts 1 while it listens and takes it off once dropped (its
+/// listener is stopped mid-wait, which used to leave the gauge as it was), so one queue's
+/// end does not hide another that still listens.
 #[test]
-fn the_listening_gauge_goes_back_to_zero_when_the_queue_is_dropped() {
+fn the_listening_gauge_counts_each_queue_until_it_is_dropped() {
     let server = RedisServer::start();
     let gauges = std::sync::Arc::new(Gauges::default());
     let listening = {
@@ -577,27 +578,27 @@ fn the_listening_gauge_goes_back_to_zero_when_the_queue_is_dropped() {
                 .unwrap()
                 .get("weir_redis_reply_channel_listening")
                 .copied()
-                .unwrap_or(0.0)
+                .unwrap_or(-1.0)
         }
     };
     let recorder = Recorder(gauges.clone());
-    // A runtime on this thread only, so that the listener's task records to this recorder.
+    // A runtime on this thread only, so that the listeners' tasks record to this recorder.
     metrics::with_local_recorder(&recorder, || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap()
             .block_on(async {
-                let q =
-                    RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
-                        .await
-                        .unwrap();
-                until("the queue listens for posted replies", || {
-                    q.hears_other_engines()
+                let (one, two) = two_engines(&server.url(), RedisOptions::default()).await;
+                until("both queues listen for posted replies", || {
+                    one.hears_other_engines() && two.hears_other_engines()
                 })
                 .await;
-                assert_eq!(listening(), 1.0, "the queue listens");
-                drop(q);
+                assert_eq!(listening(), 2.0, "both queues listen");
+                drop(one);
+                until("the dropped queue is counted off", || listening() == 1.0).await;
+                assert!(two.hears_other_engines(), "the other still listens");
+                drop(two);
                 until("the gauge goes back to 0", || listening() == 0.0).await;
             })
     });

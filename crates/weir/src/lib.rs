@@ -369,6 +369,9 @@ impl Engine {
                  without a token: set WEIR_ADMIN_TOKEN, or put it on 127.0.0.1 with --admin"
             )));
         }
+        // The recorder first: a queue reports from the moment it opens (the Redis reply
+        // channel's listener may subscribe before the engine has finished starting).
+        let recorder = metrics::handle();
         let (queue, owns_queue) = match self.queue {
             QueueChoice::Given(q) => (q, false),
             QueueChoice::Url(url) => (weir_queue::open(&url, self.failpoints.clone()).await?, true),
@@ -394,7 +397,7 @@ impl Engine {
         let stop = CancellationToken::new();
         let intake = Intake::open();
         let tracker = TaskTracker::new();
-        match metrics::handle() {
+        match recorder {
             Ok(handle) => {
                 metrics::describe();
                 tracker.spawn(metrics::upkeep(handle, stop.clone()));

@@ -120,7 +120,7 @@ pub fn describe() {
     );
     describe_gauge!(
         "weir_redis_reply_channel_listening",
-        "1 while this engine listens for the replies other engines post for its waiting `respond: wave` requests (Redis); 0 while it cannot, and polls for them up to 25 ms late"
+        "1 while this engine listens for the replies other engines post for its waiting `respond: wave` requests (Redis); 0 while it cannot, and polls for them up to 25 ms late (a process running several engines: how many listen)"
     );
     describe_counter!(
         "weir_redis_replies_heard_total",

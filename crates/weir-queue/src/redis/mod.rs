@@ -640,7 +640,7 @@ async fn hear_replies(
     // retries that follow, at `debug`.
     let mut said = false;
     // Counted off however this task ends, an abort when the queue is dropped included.
-    let mut gauge = ListeningGauge(false);
+    let mut gauge = ListeningGauge::new();
     loop {
         gauge.set(false);
         let subscribed = async {
@@ -703,23 +703,37 @@ async fn hear_replies(
     }
 }
 
-/// `weir_redis_reply_channel_listening`: 1 while the listener is subscribed, 0 when it is
-/// not, and 0 again when its task ends, an abort when the queue is dropped included (the
-/// gauge is the process's: an engine's, for the daemon).
-struct ListeningGauge(bool);
+/// This queue's part of `weir_redis_reply_channel_listening`, the reply channels the
+/// process listens on (an engine's: 1, or 0 while it cannot): counted on while subscribed,
+/// off when not, and off however the listener's task ends, an abort when the queue is
+/// dropped included. Off goes through the handle that counted on, so a queue made before
+/// the process had a recorder takes nothing off the others' count.
+struct ListeningGauge(Option<metrics::Gauge>);
 
 impl ListeningGauge {
+    /// Off, and shown as 0 until this queue listens (a user without pub/sub rights sees
+    /// it stay there).
+    fn new() -> Self {
+        metrics::gauge!("weir_redis_reply_channel_listening").increment(0.0);
+        ListeningGauge(None)
+    }
+
     fn set(&mut self, on: bool) {
-        metrics::gauge!("weir_redis_reply_channel_listening").set(if on { 1.0 } else { 0.0 });
-        self.0 = on;
+        match (on, self.0.take()) {
+            (true, None) => {
+                let g = metrics::gauge!("weir_redis_reply_channel_listening");
+                g.increment(1.0);
+                self.0 = Some(g);
+            }
+            (false, Some(g)) => g.decrement(1.0),
+            (_, kept) => self.0 = kept,
+        }
     }
 }
 
 impl Drop for ListeningGauge {
     fn drop(&mut self) {
-        if self.0 {
-            self.set(false);
-        }
+        self.set(false);
     }
 }
 
