@@ -323,6 +323,65 @@ async fn the_oldest_finished_records_go_and_no_live_item_with_them() {
     ));
 }
 
+/// `live`, the hash holding the line of each waiting or in-flight item, stays a hash table
+/// however few items it holds. Redis keeps a small hash as a listpack (up to 128 fields by
+/// default, 512 in Debian's redis.conf), and every read and write of a batch's lines would
+/// then scan it from its start; it also deleted the hash each time the queue emptied.
+#[tokio::test]
+async fn the_live_hash_stays_a_hash_table_however_few_items_it_holds() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "hash-max-listpack-entries", "512"])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let q = RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    let mut c2 = c.clone();
+    let mut encoding = async move || -> Option<String> {
+        redis::cmd("OBJECT")
+            .arg(&["ENCODING", "{weir:0}:live"])
+            .query_async(&mut c2)
+            .await
+            .unwrap()
+    };
+    for round in 0..2 {
+        let one = item(round);
+        let id = one.id;
+        q.add(vec![one]).await.unwrap();
+        assert_eq!(
+            encoding().await.as_deref(),
+            Some("hashtable"),
+            "round {round}, waiting"
+        );
+        let claimed = q.claim("a", 8, Duration::ZERO).await.unwrap();
+        assert_eq!(
+            claimed.len(),
+            1,
+            "round {round}: the one item, and nothing else"
+        );
+        assert_eq!(claimed[0].item.id, id);
+        assert_eq!(
+            encoding().await.as_deref(),
+            Some("hashtable"),
+            "round {round}, in flight"
+        );
+        let r = q.commit(&claimed[0], WaveEffects::ending(End::Ack)).await;
+        assert_eq!(r.unwrap(), weir_queue::Committed::Done);
+        // Nothing is live now; the hash stays, so the next item does not start it over.
+        assert_eq!(
+            encoding().await.as_deref(),
+            Some("hashtable"),
+            "round {round}, empty"
+        );
+        let s = q.stats().await.unwrap();
+        assert_eq!((s.ready, s.in_flight), (0, 0), "round {round}");
+    }
+}
+
 #[tokio::test]
 async fn a_namespace_an_earlier_weir_wrote_is_refused_with_the_way_out() {
     let server = RedisServer::start();

@@ -31,6 +31,17 @@ local KEEP = __FINISHED_KEPT__
 local DEADCAP = __DEAD_CAP__
 -- Finished records past KEEP are dropped this many at a time, not one per finish.
 local TRIM = 256
+-- A field of `live` that no item id can be (ids are ULIDs), whose value is longer than any
+-- `hash-max-listpack-value` a server is likely to set, so that Redis keeps `live` a hash
+-- table: a small hash is a listpack otherwise (up to `hash-max-listpack-entries` fields:
+-- 128 by default, 512 in Debian's redis.conf), which every HMGET, HSET and HDEL scans from
+-- its start, and `live` is small whenever the queue is nearly empty. With it `live` is
+-- never empty either, so Redis does not delete it and start it over as a listpack.
+local KEEPER_FIELD = '~hashtable'
+local function keeper()
+  return 'weir keeps this field so that Redis keeps this hash a hash table (see scripts.lua)'
+    .. string.rep('.', 940)
+end
 
 -- Gathered for flush(): stream entries to acknowledge and delete, ids new to the index,
 -- ids that finished, keys to delete (done markers of ended items), `live` lines to write
@@ -137,6 +148,7 @@ local function flush()
       del[#del + 1] = id
     end
   end
+  if #set > 0 then redis.call('HSETNX', LIVE, KEEPER_FIELD, keeper()) end
   each_chunk(set, function(...) redis.call('HSET', LIVE, ...) end)
   each_chunk(del, function(...) redis.call('HDEL', LIVE, ...) end)
   local outs = {}
