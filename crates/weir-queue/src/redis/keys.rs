@@ -35,7 +35,8 @@ pub fn item(p: &str, id: &str) -> String {
 }
 
 /// Waiting and in-flight items by id: `- ENTRY` while waiting, `LEASE ENTRY SINCE
-/// DELIVERIES CONSUMER` once claimed (a hash).
+/// DELIVERIES CONSUMER` once claimed (a hash). One more field, `~hashtable`, keeps it a hash
+/// table however few items are live (see scripts.lua).
 pub fn live(p: &str) -> String {
     format!("{p}live")
 }
