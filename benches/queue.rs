@@ -179,25 +179,10 @@ async fn lone(q: Arc<dyn WorkQueue>, name: &str) -> String {
     let (mut add, mut claimed, mut post, mut replied) = (vec![], vec![], vec![], vec![]);
     for i in 0..LONE {
         let idle = lone_idle(i);
-        let waiting = {
-            let q = q.clone();
-            tokio::spawn(async move { q.claim("lone", 1, Duration::from_secs(5)).await })
-        };
-        tokio::time::sleep(idle).await;
-        let t = Instant::now();
-        q.add(vec![item()]).await.unwrap();
-        add.push(t.elapsed());
-        let got = waiting.await.unwrap().unwrap();
-        claimed.push(t.elapsed());
-        let [c] = &got[..] else {
-            panic!(
-                "the waiting claim got {} items, not the one added",
-                got.len()
-            )
-        };
-        let ack = q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap();
-        assert_eq!(ack, Committed::Done);
-        let (p, r) = lone_reply(&q, &q, c.item.id, idle).await;
+        let (a, cl, id) = lone_item(&q, &q, idle).await;
+        add.push(a);
+        claimed.push(cl);
+        let (p, r) = lone_reply(&q, &q, id, idle).await;
         post.push(p);
         replied.push(r);
     }
@@ -210,18 +195,55 @@ async fn lone(q: Arc<dyn WorkQueue>, name: &str) -> String {
     )
 }
 
-/// As in [`lone`], but the reply is posted by another engine on the same Redis as the one
-/// where the request waits (its wave ran there).
-async fn lone_reply_across(here: Arc<dyn WorkQueue>, there: Arc<dyn WorkQueue>) -> String {
-    let (mut post, mut replied) = (vec![], vec![]);
+/// A claim waits at `claimer` for `idle`, then `adder` adds one item: the add's own time,
+/// the time from the add's call to the claim's return, and the item (acknowledged).
+async fn lone_item(
+    adder: &Arc<dyn WorkQueue>,
+    claimer: &Arc<dyn WorkQueue>,
+    idle: Duration,
+) -> (Duration, Duration, ulid::Ulid) {
+    let waiting = {
+        let q = claimer.clone();
+        tokio::spawn(async move { q.claim("lone", 1, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(idle).await;
+    let t = Instant::now();
+    adder.add(vec![item()]).await.unwrap();
+    let add = t.elapsed();
+    let got = waiting.await.unwrap().unwrap();
+    let claimed = t.elapsed();
+    let [c] = &got[..] else {
+        panic!(
+            "the waiting claim got {} items, not the one added",
+            got.len()
+        )
+    };
+    let ack = claimer
+        .commit(c, WaveEffects::ending(End::Ack))
+        .await
+        .unwrap();
+    assert_eq!(ack, Committed::Done);
+    (add, claimed, c.item.id)
+}
+
+/// As in [`lone`], but across two engines on the same Redis: an item added by one whose own
+/// claims are all busy (none waits), claimed by the other; and a reply posted by one for a
+/// request waiting at the other (its wave ran there).
+async fn lone_across(here: Arc<dyn WorkQueue>, there: Arc<dyn WorkQueue>) -> String {
+    let (mut add, mut claimed, mut post, mut replied) = (vec![], vec![], vec![], vec![]);
     for i in 0..LONE {
+        let (a, c, _) = lone_item(&there, &here, lone_idle(i)).await;
+        add.push(a);
+        claimed.push(c);
         let (p, r) = lone_reply(&here, &there, ulid::Ulid::new(), lone_idle(i)).await;
         post.push(p);
         replied.push(r);
     }
-    let (post, replied) = (median(post), median(replied));
+    let (add, claimed, post, replied) =
+        (median(add), median(claimed), median(post), median(replied));
     format!(
-        "redis  lone reply posted by another engine: posted → received {replied:.2} ms | the post alone {post:.2} ms | ratio {:.2}",
+        "redis  lone item added by another engine (none of its claims waiting): added → claimed {claimed:.2} ms | the add alone {add:.2} ms | ratio {:.2}\nredis  lone reply posted by another engine: posted → received {replied:.2} ms | the post alone {post:.2} ms | ratio {:.2}",
+        claimed / add,
         replied / post
     )
 }
@@ -430,7 +452,7 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
     }
     report.push(redis_server_floor(rt, &server.url(), &redis_q, raw_batched));
     report.push(rt.block_on(lone(redis_q.clone(), "redis ")));
-    report.push(rt.block_on(lone_reply_across(redis_q.clone(), engine())));
+    report.push(rt.block_on(lone_across(redis_q.clone(), engine())));
     let s = rt.block_on(redis_q.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),

@@ -475,6 +475,74 @@ async fn the_channel_wakes_requests(here: &RedisQueue, there: &RedisQueue) {
     );
 }
 
+/// `busy` adds one item while `idle` has a claim waiting (for up to 10 s) and, when
+/// `busy_waits`, `busy` has one too: whether `idle`'s claims were woken by the channel of
+/// added items (a poll of `idle` may find the item first, or `busy`'s claim be between two
+/// rounds when the add lands, so a test counts the rounds that were, of three).
+async fn woke_the_idle_one(busy: &RedisQueue, idle: &RedisQueue, busy_waits: bool) -> bool {
+    let one = item(7);
+    let id = one.id;
+    let before = idle.adds_heard();
+    let idle_claim = async {
+        let wait = if busy_waits { 300 } else { 10_000 };
+        idle.claim("idle", 1, Duration::from_millis(wait))
+            .await
+            .unwrap()
+    };
+    let busy_claim = async {
+        if busy_waits {
+            busy.claim("busy", 1, Duration::from_secs(10))
+                .await
+                .unwrap()
+        } else {
+            Vec::new()
+        }
+    };
+    let add = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        busy.add(vec![one]).await.unwrap();
+    };
+    let (theirs, mine, ()) = tokio::join!(idle_claim, busy_claim, add);
+    let claimed: Vec<_> = theirs.iter().chain(&mine).map(|c| c.item.id).collect();
+    assert_eq!(claimed, [id], "the item was claimed, once");
+    for c in theirs.iter().chain(&mine) {
+        busy.commit(c, WaveEffects::ending(End::Ack)).await.unwrap();
+    }
+    idle.adds_heard() > before
+}
+
+/// An engine that adds an item with no claim of its own waiting names the add on the
+/// namespace's channel, and another engine's waiting claim takes the item at once instead of
+/// at its next poll (up to 25 ms later). An engine whose own claim waits takes its lone item
+/// itself and wakes no other, so idle engines do not all race for every item.
+#[tokio::test]
+async fn an_add_where_no_claim_waits_wakes_the_claims_of_another_engine() {
+    let server = RedisServer::start();
+    let (busy, idle) = two_engines(&server.url(), RedisOptions::default()).await;
+    until("both engines listen", || {
+        busy.hears_other_engines() && idle.hears_other_engines()
+    })
+    .await;
+    let mut woken = 0;
+    for _ in 0..3 {
+        woken += woke_the_idle_one(&busy, &idle, false).await as u32;
+    }
+    assert!(
+        woken >= 2,
+        "the channel woke the idle engine's claim in {woken} of 3"
+    );
+    let mut woken = 0;
+    for _ in 0..3 {
+        woken += woke_the_idle_one(&busy, &idle, true).await as u32;
+    }
+    assert!(
+        woken <= 1,
+        "an engine whose own claim waited woke the other in {woken} of 3"
+    );
+    let s = busy.stats().await.unwrap();
+    assert_eq!((s.ready, s.in_flight), (0, 0));
+}
+
 /// A `respond: wave` request waits at the engine that journaled its event; its wave may run,
 /// and its reply be posted, at another. That engine names the reply on the namespace's
 /// channel, and the waiting engine, which listens there, wakes the request at once rather

@@ -120,11 +120,15 @@ pub fn describe() {
     );
     describe_gauge!(
         "weir_redis_reply_channel_listening",
-        "1 while this engine listens for the replies other engines post for its waiting `respond: wave` requests (Redis); 0 while it cannot, and polls for them up to 25 ms late (a process running several engines: how many listen)"
+        "1 while this engine listens for the replies other engines post for its waiting `respond: wave` requests and for the items they add while none of their claims waits (Redis); 0 while it cannot, and polls for them up to 25 ms late (a process running several engines: how many listen)"
     );
     describe_counter!(
         "weir_redis_replies_heard_total",
         "`respond: wave` requests woken by a reply another engine posted, heard on the channel (Redis)"
+    );
+    describe_counter!(
+        "weir_redis_adds_heard_total",
+        "Times this engine's waiting claims were woken by items another engine added while none of its own claims waited, heard on the channel (Redis)"
     );
     describe_gauge!(
         "weir_dead_letters_evicted",

@@ -110,6 +110,12 @@ pub fn replies_posted(ns: &str) -> String {
     format!("{ns}:replies-posted")
 }
 
+/// The channel where an engine that made items ready with no claim of its own waiting names
+/// itself, so that the waiting claims of the others start a round at once.
+pub fn items_added(ns: &str) -> String {
+    format!("{ns}:items-added")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
