@@ -23,8 +23,8 @@ use weir_queue::{
     WorkItem, WorkQueue,
 };
 use weir_testkit::ceilings::{
-    bytes_written, cpu_time, fsync_probe, redis_lean_pipelined, redis_lean_scripts,
-    redis_server_cpu, redis_streams_loop, sqlite_batched,
+    bytes_written, cpu_time, drive_pipelined, fsync_probe, redis_lean_pipelined,
+    redis_lean_scripts, redis_server_cpu, redis_streams_loop, sqlite_batched, Pipelined,
 };
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
@@ -108,63 +108,44 @@ async fn batched(q: &dyn WorkQueue, batches: u64) -> Duration {
 /// the engine's is (`max_ready`), so the figure is a sustained rate, not a burst into memory.
 const AHEAD: usize = 4;
 
-/// Under load, as the engine runs the queue: a producer journals batches of `BATCH` while two
-/// consumers (the executor keeps two claims waiting) claim what is ready and commit each item
-/// as its own wave does, all at once. Adds, claims and commits meet in the writer's
-/// transactions; the encoding and decoding run on other threads meanwhile.
+/// Under load, as the engine runs the queue (`drive_pipelined`): a producer journals
+/// batches of `BATCH` while two consumers claim what is ready and commit each item as its
+/// own wave does, all at once. Adds, claims and commits meet in the writer's transactions;
+/// the encoding and decoding run on other threads meanwhile.
 async fn pipelined(q: Arc<dyn WorkQueue>, batches: u64) -> Duration {
-    let total = batches as usize * BATCH;
-    let room = Arc::new(tokio::sync::Semaphore::new(AHEAD * BATCH));
-    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let t = Instant::now();
-    let producer = {
-        let (q, room) = (q.clone(), room.clone());
-        tokio::spawn(async move {
-            for _ in 0..batches {
-                room.acquire_many(BATCH as u32).await.unwrap().forget();
-                q.add((0..BATCH).map(|_| item()).collect()).await.unwrap();
-            }
-        })
-    };
-    let consumers: Vec<_> = (0..2)
-        .map(|_| {
-            let (q, room, done) = (q.clone(), room.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut waves = tokio::task::JoinSet::new();
-                while done.load(std::sync::atomic::Ordering::Acquire) < total {
-                    let claimed = q
-                        .claim("bench", BATCH, Duration::from_millis(20))
-                        .await
-                        .unwrap();
-                    for c in claimed {
-                        let (q, room, done) = (q.clone(), room.clone(), done.clone());
-                        waves.spawn(async move {
-                            let r = q.commit(&c, WaveEffects::ending(End::Ack)).await.unwrap();
-                            assert_eq!(r, Committed::Done);
-                            done.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                            room.add_permits(1);
-                        });
-                    }
-                    while let Some(r) = waves.try_join_next() {
-                        r.unwrap();
-                    }
-                }
-                while let Some(r) = waves.join_next().await {
-                    r.unwrap();
-                }
-            })
-        })
-        .collect();
-    producer.await.unwrap();
-    for c in consumers {
-        c.await.unwrap();
+    drive_pipelined(Weir(q), batches, BATCH, AHEAD).await
+}
+
+/// weir's queue driven by `drive_pipelined`: each claimed item committed on its own.
+#[derive(Clone)]
+struct Weir(Arc<dyn WorkQueue>);
+
+impl Pipelined for Weir {
+    type Unit = weir_queue::Claimed;
+
+    async fn add(&self) {
+        self.0
+            .add((0..BATCH).map(|_| item()).collect())
+            .await
+            .unwrap();
     }
-    assert_eq!(
-        done.load(std::sync::atomic::Ordering::Acquire),
-        total,
-        "every item journaled was claimed and committed once"
-    );
-    t.elapsed()
+
+    async fn claim(&self, _: usize) -> Vec<weir_queue::Claimed> {
+        self.0
+            .claim("bench", BATCH, Duration::from_millis(20))
+            .await
+            .unwrap()
+    }
+
+    async fn commit(&self, c: weir_queue::Claimed) -> usize {
+        let r = self
+            .0
+            .commit(&c, WaveEffects::ending(End::Ack))
+            .await
+            .unwrap();
+        assert_eq!(r, Committed::Done);
+        1
+    }
 }
 
 /// Lone items on an idle queue, one at a time.

@@ -14,6 +14,17 @@ fn item(n: i64) -> WorkItem {
     WorkItem::cascade("f", "in", "test", vec![json!({ "payload": n })])
 }
 
+/// `CONFIG SET name value` on `server`.
+async fn config_set(server: &RedisServer, name: &str, value: &str) {
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", name, value])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+}
+
 /// The error of a start that must be refused, checked to be one sentence.
 async fn refused(url: &str, opts: RedisOptions) -> String {
     let Err(e) = RedisQueue::connect(url, opts, Failpoints::new()).await else {
@@ -78,23 +89,13 @@ async fn unsafe_persistence_is_reported() {
         q.check_persistence("test").await.is_empty(),
         "appendonly yes + appendfsync always is safe"
     );
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let _: () = redis::cmd("CONFIG")
-        .arg(&["SET", "appendfsync", "everysec"])
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    config_set(&server, "appendfsync", "everysec").await;
     let w = q.check_persistence("test").await;
     assert!(
         w.len() == 1 && w[0].contains("appendfsync everysec"),
         "{w:?}"
     );
-    let _: () = redis::cmd("CONFIG")
-        .arg(&["SET", "appendonly", "no"])
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    config_set(&server, "appendonly", "no").await;
     let w = q.check_persistence("test").await;
     assert!(
         w.len() == 1 && w[0].contains("without the append-only file"),
@@ -330,21 +331,16 @@ async fn the_oldest_finished_records_go_and_no_live_item_with_them() {
 #[tokio::test]
 async fn the_live_hash_stays_a_hash_table_however_few_items_it_holds() {
     let server = RedisServer::start();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let _: () = redis::cmd("CONFIG")
-        .arg(&["SET", "hash-max-listpack-entries", "512"])
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    config_set(&server, "hash-max-listpack-entries", "512").await;
     let q = RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
         .await
         .unwrap();
-    let mut c2 = c.clone();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
     let mut encoding = async move || -> Option<String> {
         redis::cmd("OBJECT")
             .arg(&["ENCODING", "{weir:0}:live"])
-            .query_async(&mut c2)
+            .query_async(&mut c)
             .await
             .unwrap()
     };
