@@ -582,9 +582,9 @@ async fn a_reply_another_engine_posts_wakes_the_request_waiting_for_it() {
 }
 
 /// In a Redis Cluster every node hears a publish, so an engine listening on one hears the
-/// replies that any engine posts, whichever node keeps them.
+/// replies that any engine posts, and the adds it names, whichever node keeps them.
 #[tokio::test]
-async fn a_reply_another_engine_posts_wakes_the_request_in_a_cluster_too() {
+async fn another_engines_replies_and_adds_wake_their_waiters_in_a_cluster_too() {
     let cluster = RedisCluster::start();
     let opts = RedisOptions {
         shards: 4,
@@ -592,13 +592,22 @@ async fn a_reply_another_engine_posts_wakes_the_request_in_a_cluster_too() {
     };
     let (here, there) = two_engines(&cluster.url(), opts).await;
     the_channel_wakes_requests(&here, &there).await;
+    let mut woken = 0;
+    for _ in 0..3 {
+        woken += woke_the_idle_one(&there, &here, false).await as u32;
+    }
+    assert!(
+        woken >= 2,
+        "the channel woke the idle engine's claim in {woken} of 3"
+    );
 }
 
 /// A Redis user without pub/sub rights (Redis 7 gives a new user no channels unless told):
 /// the engine cannot listen and its publishes are refused, yet every reply still reaches its
-/// request, found by polling, and posting one never fails for it.
+/// request and every item added at one engine the claim waiting at the other, found by
+/// polling, and neither posting nor adding ever fails for it.
 #[tokio::test]
-async fn without_pub_sub_rights_replies_still_cross_engines() {
+async fn without_pub_sub_rights_replies_and_items_still_cross_engines() {
     let server = RedisServer::start();
     let admin = redis::Client::open(server.url()).unwrap();
     let mut c = admin.get_multiplexed_async_connection().await.unwrap();
@@ -619,6 +628,12 @@ async fn without_pub_sub_rights_replies_still_cross_engines() {
     let (here, there) = two_engines(&url, RedisOptions::default()).await;
     assert_eq!(heard_of_three(&here, &there).await, 0, "found by polling");
     assert_eq!(posted_by(&here, &here).await, Some(200));
+    for _ in 0..3 {
+        assert!(
+            !woke_the_idle_one(&there, &here, false).await,
+            "found by polling"
+        );
+    }
     assert!(
         !here.hears_other_engines(),
         "the channel is refused to this user"
