@@ -507,6 +507,15 @@ async fn woke_the_idle_one(busy: &RedisQueue, idle: &RedisQueue, busy_waits: boo
     idle.adds_heard() > before
 }
 
+/// Of three rounds of [`woke_the_idle_one`], how many `idle`'s claims were woken in.
+async fn idle_woken_of_three(busy: &RedisQueue, idle: &RedisQueue, busy_waits: bool) -> u32 {
+    let mut woken = 0;
+    for _ in 0..3 {
+        woken += woke_the_idle_one(busy, idle, busy_waits).await as u32;
+    }
+    woken
+}
+
 /// An engine that adds an item with no claim of its own waiting names the add on the
 /// namespace's channel, and another engine's waiting claim takes the item at once instead of
 /// at its next poll (up to 25 ms later). An engine whose own claim waits takes its lone item
@@ -519,18 +528,12 @@ async fn an_add_where_no_claim_waits_wakes_the_claims_of_another_engine() {
         busy.hears_other_engines() && idle.hears_other_engines()
     })
     .await;
-    let mut woken = 0;
-    for _ in 0..3 {
-        woken += woke_the_idle_one(&busy, &idle, false).await as u32;
-    }
+    let woken = idle_woken_of_three(&busy, &idle, false).await;
     assert!(
         woken >= 2,
         "the channel woke the idle engine's claim in {woken} of 3"
     );
-    let mut woken = 0;
-    for _ in 0..3 {
-        woken += woke_the_idle_one(&busy, &idle, true).await as u32;
-    }
+    let woken = idle_woken_of_three(&busy, &idle, true).await;
     assert!(
         woken <= 1,
         "an engine whose own claim waited woke the other in {woken} of 3"
@@ -592,10 +595,7 @@ async fn another_engines_replies_and_adds_wake_their_waiters_in_a_cluster_too() 
     };
     let (here, there) = two_engines(&cluster.url(), opts).await;
     the_channel_wakes_requests(&here, &there).await;
-    let mut woken = 0;
-    for _ in 0..3 {
-        woken += woke_the_idle_one(&there, &here, false).await as u32;
-    }
+    let woken = idle_woken_of_three(&there, &here, false).await;
     assert!(
         woken >= 2,
         "the channel woke the idle engine's claim in {woken} of 3"
@@ -628,12 +628,11 @@ async fn without_pub_sub_rights_replies_and_items_still_cross_engines() {
     let (here, there) = two_engines(&url, RedisOptions::default()).await;
     assert_eq!(heard_of_three(&here, &there).await, 0, "found by polling");
     assert_eq!(posted_by(&here, &here).await, Some(200));
-    for _ in 0..3 {
-        assert!(
-            !woke_the_idle_one(&there, &here, false).await,
-            "found by polling"
-        );
-    }
+    assert_eq!(
+        idle_woken_of_three(&there, &here, false).await,
+        0,
+        "found by polling"
+    );
     assert!(
         !here.hears_other_engines(),
         "the channel is refused to this user"
