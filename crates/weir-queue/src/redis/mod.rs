@@ -799,7 +799,7 @@ impl Drop for WaitingClaim<'_> {
     }
 }
 
-/// The listener of posted replies, stopped with the queue.
+/// The listener of other engines' replies and adds, stopped with the queue.
 struct Listener(tokio::task::AbortHandle);
 
 impl Drop for Listener {
@@ -1112,9 +1112,10 @@ impl RedisQueue {
     }
 
     /// Whether this engine hears, at this moment, the replies other engines post for its
-    /// waiting `respond: wave` requests (through the namespace's channel of posted replies).
-    /// While it does not (Redis unreachable, or pub/sub refused to this user), those replies
-    /// are found by polling, up to 25 ms later; nothing is lost either way.
+    /// waiting `respond: wave` requests and the adds they name (through the namespace's
+    /// channels of posted replies and added items). While it does not (Redis unreachable,
+    /// or pub/sub refused to this user), those replies and items are found by polling, up to
+    /// 25 ms later; nothing is lost either way.
     pub fn hears_other_engines(&self) -> bool {
         self.heard.listening.load(Ordering::Acquire)
     }
