@@ -541,7 +541,8 @@ pub trait Pipelined: Clone + Send + Sync + 'static {
 /// while fewer than `ahead` batches are in flight (the backlog bounded, as the engine's is,
 /// so the figure is a sustained rate, not a burst into memory), and two consumers (the
 /// executor keeps two claims waiting) claim what is ready and commit each unit in a task of
-/// its own, all at once. The time until every item was committed, once.
+/// its own, all at once. The time until every item was committed, once; a run where no
+/// item is committed for 30 s fails, saying how many were, rather than waiting forever.
 pub async fn drive_pipelined<Q: Pipelined>(
     q: Q,
     batches: u64,
@@ -586,16 +587,35 @@ pub async fn drive_pipelined<Q: Pipelined>(
             })
         })
         .collect();
-    producer.await.unwrap();
-    for c in consumers {
-        c.await.unwrap();
+    let mut seen = (0, Instant::now());
+    for mut c in consumers {
+        loop {
+            tokio::select! {
+                r = &mut c => {
+                    r.unwrap();
+                    break;
+                }
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                    let now = done.load(Ordering::Acquire);
+                    if now != seen.0 {
+                        seen = (now, Instant::now());
+                    }
+                    assert!(
+                        seen.1.elapsed() < Duration::from_secs(30),
+                        "no item committed for 30 s: {now} of {total}"
+                    );
+                }
+            }
+        }
     }
+    let took = t.elapsed();
+    producer.await.unwrap();
     assert_eq!(
         done.load(Ordering::Acquire),
         total,
         "every item added was claimed and committed once"
     );
-    t.elapsed()
+    took
 }
 
 /// The lean design driven by [`drive_pipelined`]: each claim's items committed in one call.

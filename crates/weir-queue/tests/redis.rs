@@ -339,7 +339,10 @@ async fn the_live_hash_stays_a_hash_table_however_few_items_it_holds() {
     let mut c = client.get_multiplexed_async_connection().await.unwrap();
     let mut encoding = async move || -> Option<String> {
         redis::cmd("OBJECT")
-            .arg(&["ENCODING", "{weir:0}:live"])
+            .arg("ENCODING")
+            .arg(weir_queue::redis::keys::live(
+                &weir_queue::redis::keys::prefix("weir", 0),
+            ))
             .query_async(&mut c)
             .await
             .unwrap()
