@@ -687,6 +687,34 @@ impl MqttPeer {
         }
     }
 
+    /// Publish `payload` (not JSON, so that counts of numbers pass it by) on `topic` every
+    /// 200 ms until `observer` has received it back, through the engine, for up to 10 s.
+    /// An engine subscribes after it has started, and what the broker gets before that is
+    /// not the engine's to keep: a test that counts every message waits for this first.
+    pub async fn until_routed(&self, topic: &str, payload: &str, observer: &MqttPeer) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let back = || {
+            observer
+                .received()
+                .iter()
+                .any(|(_, p)| p == payload.as_bytes())
+        };
+        while !back() {
+            assert!(
+                Instant::now() < deadline,
+                "nothing published on {topic} came back through the engine within 10 s"
+            );
+            self.client
+                .publish(topic, rumqttc::QoS::AtLeastOnce, false, payload)
+                .await
+                .unwrap();
+            let wait = Instant::now() + Duration::from_millis(200);
+            while !back() && Instant::now() < wait {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+
     /// Connect as `id` (a persistent session) and subscribe to `filter` if given; returns
     /// once the subscription is acknowledged. At most 20 of its publishes are in flight.
     pub async fn connect(port: u16, id: &str, filter: Option<&str>) -> MqttPeer {

@@ -46,6 +46,9 @@ async fn two_thousand_messages_in_through_a_function_and_out() {
     .await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
+    device
+        .until_routed("sensors/probe/reading", "probe", &observer)
+        .await;
     device.publish_numbers(0..2000, 5).await;
     device
         .client
@@ -123,6 +126,9 @@ async fn a_journal_answer_lost_is_retried_without_duplicates() {
     .await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
+    device
+        .until_routed("sensors/probe/reading", "probe", &observer)
+        .await;
     device.publish_numbers(0..300, 5).await;
     wait_for("300 doubled messages", Duration::from_secs(60), || {
         arrivals(&observer).len() == 300
@@ -161,8 +167,10 @@ async fn sigkill_with_five_thousand_in_flight_loses_none() {
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
     let mut e = WeirProcess::start(flows.path(), &queue, &args).await;
-    // Let the engine subscribe before the device starts (its session then exists).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The engine subscribed before the device starts (its session then exists).
+    device
+        .until_routed("sensors/probe/reading", "probe", &observer)
+        .await;
     device.publish_numbers(0..5000, 5).await;
     wait_for(
         "some messages through before the kill",
@@ -201,7 +209,9 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     .await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    device
+        .until_routed("sensors/probe/reading", "probe", &observer)
+        .await;
     device.publish_numbers(0..300, 5).await;
     wait_for("the first 300", Duration::from_secs(30), || {
         arrivals(&observer).len() == 300
@@ -338,7 +348,9 @@ async fn mqtts_with_a_ca_file() {
     .await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    device
+        .until_routed("sensors/probe/reading", "probe", &observer)
+        .await;
     device.publish_numbers(0..50, 5).await;
     wait_for(
         "50 messages through the TLS connections",
