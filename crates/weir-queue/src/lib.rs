@@ -70,6 +70,9 @@ pub struct Claimed {
     /// Where the backend keeps the item, when it has such a handle (SQLite: its row), so the
     /// commit finds it without looking its id up; 0 when it has none.
     pub slot: u64,
+    /// The backend's name for this claim's copy of the item, when it has one (Redis: the
+    /// stream entry read), so the commit can check and acknowledge it as is; empty otherwise.
+    pub entry: String,
 }
 
 impl Claimed {
@@ -91,6 +94,7 @@ impl Claimed {
             consumer: consumer.to_string(),
             stepped,
             slot: 0,
+            entry: String::new(),
         })
     }
 }

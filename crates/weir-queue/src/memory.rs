@@ -359,6 +359,7 @@ impl WorkQueue for MemoryQueue {
                         consumer: consumer.to_string(),
                         stepped,
                         slot: 0,
+                        entry: String::new(),
                     });
                 }
                 if !out.is_empty() {

@@ -1703,6 +1703,7 @@ impl WorkQueue for SqliteQueue {
                     consumer: consumer.to_string(),
                     stepped: t.stepped,
                     slot: t.seq as u64,
+                    entry: String::new(),
                 }),
                 Err(e) => {
                     // A poison row: set aside with the reason; the ones around it go on.

@@ -159,7 +159,7 @@ async fn a_poison_entry_is_dead_lettered_alone_and_the_rest_flow() {
     let entry: String = redis::cmd("XADD")
         .arg(weir_queue::redis::keys::stream(&p))
         .arg("*")
-        .arg(&["id", &bad_id.to_string(), "flow", "f", "d", "0", "enq", "1"])
+        .arg(&["id", &bad_id.to_string(), "d", "0"])
         .arg(&["body", "{not json"])
         .query_async(&mut c)
         .await
@@ -168,7 +168,7 @@ async fn a_poison_entry_is_dead_lettered_alone_and_the_rest_flow() {
         .hset(
             weir_queue::redis::keys::live(&p),
             bad_id.to_string(),
-            format!("- {entry}"),
+            &entry,
         )
         .zadd(weir_queue::redis::keys::index(&p), bad_id.to_string(), 0)
         .query_async(&mut c)
@@ -412,6 +412,61 @@ async fn a_namespace_an_earlier_weir_wrote_is_refused_with_the_way_out() {
             .is_ok(),
         "a namespace this weir wrote opens again"
     );
+}
+
+/// A claim committed several times at once (a retry racing its first try), plainly and
+/// with effects, in one group or in several: one commit ends the item, the rest conflict,
+/// and the item is recorded once.
+#[tokio::test]
+async fn a_claim_committed_twice_at_once_ends_its_item_once() {
+    let server = RedisServer::start();
+    let q = RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
+        .await
+        .unwrap();
+    q.add((0..20).map(item).collect()).await.unwrap();
+    let got = q.claim("a", 20, Duration::ZERO).await.unwrap();
+    assert_eq!(got.len(), 20);
+    let commits = got.iter().flat_map(|c| {
+        [
+            q.commit(c, WaveEffects::ending(End::Ack)),
+            q.commit(c, WaveEffects::ending(End::Ack)),
+            q.commit(c, WaveEffects::ending(End::DeadLetter("by hand".into()))),
+        ]
+    });
+    let words = futures::future::join_all(commits).await;
+    let mut dead = 0;
+    for (c, three) in got.iter().zip(words.chunks(3)) {
+        let done: Vec<usize> = (0..3)
+            .filter(|&i| *three[i].as_ref().unwrap() == weir_queue::Committed::Done)
+            .collect();
+        assert_eq!(
+            done.len(),
+            1,
+            "one commit of {} ends it: {three:?}",
+            c.item.id
+        );
+        let state = q.get(c.item.id).await.unwrap().unwrap().state;
+        if done[0] == 2 {
+            dead += 1;
+            assert!(matches!(state, ItemState::Dead { .. }), "{state:?}");
+        } else {
+            assert!(matches!(state, ItemState::Finished { .. }), "{state:?}");
+        }
+    }
+    let s = q.stats().await.unwrap();
+    assert_eq!((s.ready, s.in_flight, s.dead), (0, 0, dead));
+    // Each finished item is listed once among the finished records.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let p = weir_queue::redis::keys::prefix("weir", 0);
+    let listed: Vec<String> = redis::cmd("LRANGE")
+        .arg(format!("{p}finished"))
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 20 - dead, "{listed:?}");
 }
 
 /// Wait up to 10 s for `cond`, checking every 10 ms.

@@ -4,13 +4,16 @@
 //!   entry stays pending until its commit acknowledges and deletes it, and an engine that
 //!   dies leaves its entries pending for `XAUTOCLAIM` to hand to the living. Nothing is ever
 //!   trimmed: an entry is deleted when its item ends.
-//! - A ready or in-flight item's record is its stream entry (body, flow, the deliveries it
-//!   had when the entry was made) and its line in one hash, `live`: `- ENTRY` while it waits,
-//!   `LEASE ENTRY SINCE DELIVERIES CONSUMER` once claimed. A claim writes the line in the
-//!   same script that reads the entry, so the count is the item's own, exactly, and a commit
-//!   from an engine whose lease is gone is refused. A claim and an acknowledgement therefore
-//!   touch no key of the item's own: every write they make is one command for the whole
-//!   batch. Delayed, parked and dead items have a hash each; a finished item leaves its
+//! - A ready or in-flight item's record is its stream entry (id, the deliveries it had when
+//!   the entry was made, body; the flow and when it was enqueued are read from the body off
+//!   the hot path) and its line in one hash, `live`: `ENTRY` while it waits, `LEASE ENTRY
+//!   DELIVERIES` once claimed (who holds it, and since when, are the group's pending entry's).
+//!   A claim writes the line in the same script that reads the entry, so the count is the
+//!   item's own, exactly, and a commit from an engine whose lease is gone is refused: a plain
+//!   acknowledgement (the item ends, nothing else is written) sends the line its claim wrote
+//!   and the script compares it whole. A claim and an acknowledgement therefore touch no key
+//!   of the item's own: every write they make is one command for the whole batch, as in the
+//!   bare pipelined loop the benchmarks compare against. Delayed, parked and dead items have a hash each; a finished item leaves its
 //!   record (outcome, when, body) in the hash `out`, the newest 10,000 per shard kept.
 //! - Delayed items wait in a sorted set; promotion is one script (remove, append, mark), so
 //!   a crash can neither lose nor duplicate one. Parked items are a list per flow, unparked
@@ -50,8 +53,9 @@ use crate::{
 const HELPERS: &str = include_str!("scripts.lua");
 /// How the keys hold items (see scripts.lua). 1: a hash per item in every state; 2: a
 /// waiting or in-flight item is its stream entry and a line of `live`, a finished one a
-/// field of `out`.
-const LAYOUT: u32 = 2;
+/// field of `out`; 3: as 2, with entries of three fields (the flow and when it was
+/// enqueued read from the body) and `live` lines of `ENTRY` and `LEASE ENTRY DELIVERIES`.
+const LAYOUT: u32 = 3;
 /// Finished item records kept per shard for `get`.
 const FINISHED_KEPT: usize = 10_000;
 /// Dead letters kept per shard, by default, before the oldest is evicted (counted, recorded).
@@ -66,33 +70,45 @@ const PROMOTE_BATCH: usize = 1000;
 const RECLAIM_BATCH: usize = 100;
 const RECLAIM_ROUNDS: usize = 10;
 
-/// ARGV[3] the bound on ready items, then six arguments an item (id, flow, deliveries,
-/// enqueued at, due, body): flat, so the bodies travel as they are, not escaped into JSON.
+/// ARGV[3] the bound on ready items, ARGV[4] how many of the items are ready now; then three
+/// arguments for each of those (id, deliveries, body) and six for each of the rest (id,
+/// flow, deliveries, enqueued at, due, body): flat, so the bodies travel as they are, not
+/// escaped into JSON. No id is there twice (the caller keeps the first).
 const ADD: &str = r#"
 local max = tonumber(ARGV[3])
-if (#ARGV - 3) % 6 ~= 0 then return redis.error_reply('weir add: six arguments an item') end
-local n = (#ARGV - 3) / 6
+local r = tonumber(ARGV[4])
+if (#ARGV - 4 - 3 * r) % 6 ~= 0 then return redis.error_reply('weir add: three arguments a ready item, six a delayed one') end
+local later = (#ARGV - 4 - 3 * r) / 6
 local ready = ready_count()
-if ready + n > max then return {'full', ready} end
-local ids = {}
-for i = 0, n - 1 do ids[i + 1] = ARGV[4 + 6 * i] end
--- Ids with a record already (a retried add), and ids twice in this batch, are kept once.
-local seen = known(ids)
-for i = 0, n - 1 do
-  local a = 4 + 6 * i
-  local id, due = ARGV[a], ARGV[a + 4]
-  if not seen[id] then
-    seen[id] = true
-    if due == '' or tonumber(due) <= NOWN then
-      -- Ready now (most are): straight into the stream.
-      INDEXED[#INDEXED + 1] = id
-      NEW[id] = true
-      enstream(id, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 5], false)
-    else
-      insert({id = id, flow = ARGV[a + 1], deliveries = ARGV[a + 2], enq = ARGV[a + 3],
-        due = due, body = ARGV[a + 5]}, true)
+if ready + r + later > max then return {'full', ready} end
+-- Ready now (most are): straight into the stream, with no per-item table of the helpers',
+-- as the bare loop would. Ids with a record already (a retried add) are kept once.
+for c = 1, r, 1000 do
+  local last = math.min(c + 999, r)
+  local ids = {}
+  for i = c, last do ids[i - c + 1] = ARGV[2 + 3 * i] end
+  local seen = redis.call('ZMSCORE', P .. 'index', unpack(ids))
+  local lines, scored, k = {}, {}, 0
+  for i = c, last do
+    if not seen[i - c + 1] then
+      local a = 2 + 3 * i
+      local id = ARGV[a]
+      local eid = redis.call('XADD', STREAM, '*', 'id', id, 'd', ARGV[a + 1], 'body', ARGV[a + 2])
+      lines[k + 1], lines[k + 2] = id, eid
+      scored[k + 1], scored[k + 2] = 0, id
+      k = k + 2
     end
   end
+  if k > 0 then
+    redis.call('HSETNX', LIVE, KEEPER_FIELD, keeper())
+    redis.call('HSET', LIVE, unpack(lines))
+    redis.call('ZADD', P .. 'index', unpack(scored))
+  end
+end
+for i = 0, later - 1 do
+  local a = 5 + 3 * r + 6 * i
+  insert({id = ARGV[a], flow = ARGV[a + 1], deliveries = ARGV[a + 2], enq = ARGV[a + 3],
+    due = ARGV[a + 4], body = ARGV[a + 5]})
 end
 return {'ok', 0}
 "#;
@@ -117,8 +133,8 @@ insert(cjson.decode(ARGV[7]))
 return 1
 "#;
 
-/// ARGV[3] the consumer, ARGV[4] how many at most. Answers, for each item claimed: id,
-/// deliveries, lease, stepped ('1' or '0'), body.
+/// ARGV[3] the consumer, ARGV[4] how many at most. Answers six values for each item
+/// claimed, flat: id, deliveries, lease, stepped ('1' or '0'), body, entry.
 const CLAIM: &str = r#"
 local function read()
   return redis.pcall('XREADGROUP', 'GROUP', G, ARGV[3], 'COUNT', ARGV[4], 'STREAMS', STREAM, '>')
@@ -134,34 +150,51 @@ end
 local out = {}
 if not r then return out end
 local entries = r[1][2]
-if #entries == 0 then return out end
+local n = #entries
+if n == 0 then return out end
 local ids = {}
-for i, e in ipairs(entries) do ids[i] = e[2][2] end
+for i = 1, n do ids[i] = entries[i][2][2] end
 -- Each entry's item must be waiting on that very entry (it always is, unless the data
 -- was changed behind weir's back): one read for the whole batch.
-live_read(ids)
+local cur = {}
+for c = 1, n, 1000 do
+  local got = redis.call('HMGET', LIVE, unpack(ids, c, math.min(c + 999, n)))
+  for j = 1, #got do cur[c + j - 1] = got[j] end
+end
 -- Leases for the whole read in one step: each claim's is new, never reused.
-local lease = redis.call('INCRBY', P .. 'lease', #entries) - #entries
-for i, e in ipairs(entries) do
-  local eid, f, id = e[1], e[2], ids[i]
-  -- Fields as written: id, flow, d, enq, body[, stepped].
-  if READ[id] ~= '- ' .. eid or f[5] ~= 'd' or f[9] ~= 'body' then
+local lease = redis.call('INCRBY', P .. 'lease', n) - n
+local lines, k, o = {}, 0, 0
+for i = 1, n do
+  local e = entries[i]
+  local eid, f = e[1], e[2]
+  -- Fields as written: id, d, body[, stepped].
+  if cur[i] ~= eid or f[3] ~= 'd' or f[5] ~= 'body' then
     ACKS[#ACKS + 1] = eid
   else
     lease = lease + 1
-    local d = tonumber(f[6]) + 1
-    live_set(id, lease .. ' ' .. eid .. ' ' .. NOW .. ' ' .. d .. ' ' .. ARGV[3])
-    out[#out + 1] = {id, d, lease, f[12] or '0', f[10]}
+    local d = tonumber(f[4]) + 1
+    lines[k + 1], lines[k + 2] = ids[i], lease .. ' ' .. eid .. ' ' .. d
+    k = k + 2
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6] =
+      ids[i], d, lease, f[8] or '0', f[6], eid
+    o = o + 6
   end
+end
+if k > 0 then
+  redis.call('HSETNX', LIVE, KEEPER_FIELD, keeper())
+  each_chunk(lines, function(...) redis.call('HSET', LIVE, ...) end)
 end
 return out
 "#;
 
-/// Several waves' commits in one call (group commit): ARGV[3] is how many, then seven
-/// arguments each (id, lease, flow, how it ends, the reason, the rest of its effects as
-/// JSON or nothing when it has none, and for an `ack` its finished record, as
-/// `finished_record` in scripts.lua makes one). Each is checked and applied on its own, as if
-/// alone; the answer is one word per commit: done, conflict or failed (a failpoint).
+/// Several waves' commits in one call (group commit). ARGV[3] is how many are plain
+/// acknowledgements (the item ends and nothing else is written: most waves), ARGV[4] how
+/// many are not. Then four arguments for each plain one (id, the `live` line its claim
+/// wrote, its entry, its finished record as `finished_record` in scripts.lua makes one) and
+/// seven for each of the rest (id, lease, flow, how it ends, the reason, the rest of its
+/// effects as JSON or nothing when it has none, and for an `ack` its finished record). Each
+/// is checked and applied on its own, as if alone; the answer is one word per commit, the
+/// plain ones first: done, conflict or failed (a failpoint).
 const COMMIT: &str = r#"
 local function commit(id, lease, flow, kind, reason, effects, rec)
   -- The item must still be in flight on this very claim: its `live` line starts with the
@@ -210,13 +243,52 @@ local function commit(id, lease, flow, kind, reason, effects, rec)
   return 'done'
 end
 local out = {}
+local np, ng = tonumber(ARGV[3]), tonumber(ARGV[4])
+-- Plain acknowledgements: the item's line must be exactly the one its claim wrote (the
+-- lease is new with each claim), and then every write is one command for them all.
+local seen = {}
+for c = 0, np - 1, 1000 do
+  local last = math.min(c + 999, np - 1)
+  local ids = {}
+  for i = c, last do ids[i - c + 1] = ARGV[5 + 4 * i] end
+  local cur = redis.call('HMGET', LIVE, unpack(ids))
+  local acks, ended, gone, outs, k = {}, {}, {}, {}, 0
+  for i = c, last do
+    local a = 5 + 4 * i
+    local id = ARGV[a]
+    if cur[i - c + 1] == ARGV[a + 1] and not seen[id] then
+      seen[id] = true
+      k = k + 1
+      acks[k], ended[k], gone[k] = ARGV[a + 2], id, P .. 'done:' .. id
+      outs[2 * k - 1], outs[2 * k] = id, ARGV[a + 3]
+      out[i + 1] = 'done'
+    else
+      out[i + 1] = 'conflict'
+    end
+  end
+  if k > 0 then
+    redis.pcall('XACK', STREAM, G, unpack(acks))
+    redis.call('XDEL', STREAM, unpack(acks))
+    redis.call('HDEL', LIVE, unpack(ended))
+    redis.call('HSET', OUT, unpack(outs))
+    redis.call('DEL', unpack(gone))
+    for j = 1, k do FINISHED[#FINISHED + 1] = ended[j] end
+  end
+end
+-- The rest, each in full (after the plain ones, whose writes their reads then see).
 local ids = {}
-for i = 0, tonumber(ARGV[3]) - 1 do ids[i + 1] = ARGV[4 + 7 * i] end
+local g0 = 5 + 4 * np
+for i = 0, ng - 1 do ids[i + 1] = ARGV[g0 + 7 * i] end
 live_read(ids)
-for i = 0, tonumber(ARGV[3]) - 1 do
-  local a = 4 + 7 * i
-  out[#out + 1] = commit(ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4],
-    ARGV[a + 5], ARGV[a + 6])
+for i = 0, ng - 1 do
+  local a = g0 + 7 * i
+  local id = ARGV[a]
+  if seen[id] then
+    out[np + i + 1] = 'conflict'
+  else
+    out[np + i + 1] = commit(id, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4],
+      ARGV[a + 5], ARGV[a + 6])
+  end
 end
 return out
 "#;
@@ -340,7 +412,7 @@ return {outcomes, dead}
 const RECOVER: &str = r#"
 -- This consumer's own pending entries (an earlier run of it died holding them), oldest
 -- first: claimed again here, in place, so they keep their turn ahead of newer entries.
--- Answers as a claim does.
+-- Answers as a claim does (six values an item, flat).
 local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
 if type(p) == 'table' and p.err then return {} end
 local out = {}
@@ -354,8 +426,8 @@ for _, e in ipairs(p) do
     redis.call('XCLAIM', STREAM, G, ARGV[3], 0, eid, 'JUSTID')
     local d = tonumber(at.d) + 1
     local lease = redis.call('INCR', P .. 'lease')
-    live_set(f.id, lease .. ' ' .. eid .. ' ' .. NOW .. ' ' .. d .. ' ' .. ARGV[3])
-    out[#out + 1] = {f.id, d, lease, f.stepped or '0', f.body}
+    live_set(f.id, lease .. ' ' .. eid .. ' ' .. d)
+    for _, v in ipairs({f.id, d, lease, f.stepped or '0', f.body, eid}) do out[#out + 1] = v end
   else
     ACKS[#ACKS + 1] = eid
   end
@@ -405,11 +477,15 @@ for _, id in ipairs(redis.call('ZRANGE', P .. 'delayed', 0, -1)) do
     n = n + 1
   end
 end
+-- Waiting items: their flow is in the body (read only here, off the hot path).
 for _, e in ipairs(redis.call('XRANGE', STREAM, '-', '+')) do
-  local f = e[2]
-  if f[4] == flow and live_get(f[2]) == '- ' .. e[1] then
-    finish(f[2], why)
-    n = n + 1
+  local id = e[2][2]
+  if live_get(id) == e[1] then
+    local ok, it = pcall(cjson.decode, e[2][6] or '')
+    if ok and type(it) == 'table' and it.flow == flow then
+      finish(id, why)
+      n = n + 1
+    end
   end
 end
 return n
@@ -458,9 +534,14 @@ if st == 'waiting' then
   put('deliveries', f.d or '0')
 else
   put('deliveries', at.d)
-  put('consumer', at.consumer)
-  put('since', at.since)
   put('lease', at.lease)
+  -- Who holds it and since when: the group's pending entry (its idle time restarts only
+  -- when the entry is claimed again, as a claim would).
+  local p = redis.pcall('XPENDING', STREAM, G, at.entry, at.entry, 1)
+  if type(p) == 'table' and not p.err and p[1] then
+    put('consumer', p[1][2])
+    put('since', string.format('%.0f', NOWN - p[1][3]))
+  end
 end
 return r
 "#;
@@ -475,12 +556,7 @@ for _, f in ipairs(redis.call('SMEMBERS', P .. 'parked_flows')) do
 end
 local first = redis.call('XRANGE', STREAM, '-', '+', 'COUNT', 1)[1]
 local enq = ''
-if first then
-  local f = first[2]
-  for i = 1, #f, 2 do
-    if f[i] == 'enq' then enq = f[i + 1] end
-  end
-end
+if first then enq = entry_fields(first[1]).enq or '' end
 return {redis.call('XLEN', STREAM) - pend, pend, redis.call('ZCARD', P .. 'delayed'), parked,
   redis.call('XLEN', DEAD), enq, tonumber(redis.call('GET', P .. 'dead_evicted') or '0')}
 "#;
@@ -593,6 +669,42 @@ fn rec<'a>(item: &'a WorkItem, reason: Option<&'a str>) -> Result<Rec<'a>, Queue
     })
 }
 
+/// One item as `CLAIM` and `RECOVER` answer it.
+struct ClaimedRow {
+    id: String,
+    deliveries: u32,
+    lease: u64,
+    stepped: String,
+    body: String,
+    entry: String,
+}
+
+/// The rows of a claim's flat answer (six values an item).
+fn claimed_rows(flat: Vec<redis::Value>) -> Result<Vec<ClaimedRow>, QueueError> {
+    if !flat.len().is_multiple_of(6) {
+        return Err(corrupt(format!(
+            "a claim answered {} values, not six an item",
+            flat.len()
+        )));
+    }
+    let mut rows = Vec::with_capacity(flat.len() / 6);
+    let mut it = flat.into_iter();
+    while let Some(id) = it.next() {
+        let mut next = || it.next().unwrap_or(redis::Value::Nil);
+        let (d, lease, stepped, body, entry) = (next(), next(), next(), next(), next());
+        let v = |e: redis::ParsingError| corrupt(format!("a claim's answer: {e}"));
+        rows.push(ClaimedRow {
+            id: redis::from_redis_value(id).map_err(v)?,
+            deliveries: redis::from_redis_value(d).map_err(v)?,
+            lease: redis::from_redis_value(lease).map_err(v)?,
+            stepped: redis::from_redis_value(stepped).map_err(v)?,
+            body: redis::from_redis_value(body).map_err(v)?,
+            entry: redis::from_redis_value(entry).map_err(v)?,
+        });
+    }
+    Ok(rows)
+}
+
 fn unavailable(e: redis::RedisError) -> QueueError {
     QueueError::Unavailable(format!("redis: {e}"))
 }
@@ -601,9 +713,17 @@ fn corrupt(e: impl std::fmt::Display) -> QueueError {
     QueueError::Corrupt(e.to_string())
 }
 
-/// One commit's script arguments (id, lease, flow, end, reason, effects, finished record)
-/// and who waits for its word.
-type GroupedCommit = ([String; 7], oneshot::Sender<Result<String, QueueError>>);
+/// One commit's script arguments (see `COMMIT`) and who waits for its word.
+type GroupedCommit = (CommitArgs, oneshot::Sender<Result<String, QueueError>>);
+
+/// A commit as the group script takes it.
+enum CommitArgs {
+    /// The item ends and nothing else is written: id, the `live` line its claim wrote, its
+    /// entry, its finished record.
+    Plain([String; 4]),
+    /// Anything else: id, lease, flow, end, reason, effects, finished record.
+    Full([String; 7]),
+}
 
 /// Commits waiting for their shard's next group call.
 #[derive(Default)]
@@ -845,14 +965,26 @@ async fn flush_commits(mut conn: Conn, script: Script, groups: CommitGroups, p: 
             let n = group.waiting.len().min(COMMIT_GROUP);
             group.waiting.drain(..n).collect()
         };
+        // The plain ones first, as the script answers them.
+        let (mut batch, full): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .partition(|(a, _)| matches!(a, CommitArgs::Plain(_)));
+        let plain = batch.len();
+        batch.extend(full);
         let mut inv = script.prepare_invoke();
         inv.key(keys::stream(&p))
             .arg(&p)
             .arg(now_ms().to_string())
-            .arg(batch.len());
+            .arg(plain)
+            .arg(batch.len() - plain);
         for (args, _) in &batch {
-            for a in args {
-                inv.arg(a);
+            match args {
+                CommitArgs::Plain(a) => a.iter().for_each(|a| {
+                    inv.arg(a);
+                }),
+                CommitArgs::Full(a) => a.iter().for_each(|a| {
+                    inv.arg(a);
+                }),
             }
         }
         let answer: Result<Vec<String>, QueueError> =
@@ -1238,7 +1370,7 @@ impl RedisQueue {
     /// Commit through shard `p`'s group: commits that arrive while the shard's calls are on
     /// their way (at most `COMMIT_CALLS`) go together in the next (one script, one fsync on
     /// the server), with no timer.
-    async fn commit_grouped(&self, p: &str, args: [String; 7]) -> Result<String, QueueError> {
+    async fn commit_grouped(&self, p: &str, args: CommitArgs) -> Result<String, QueueError> {
         let (tx, rx) = oneshot::channel();
         let lead = {
             let mut groups = self.commits.lock().unwrap_or_else(|e| e.into_inner());
@@ -1299,12 +1431,19 @@ impl RedisQueue {
         consumer: &str,
         n: usize,
     ) -> Result<Vec<Claimed>, QueueError> {
-        let rows: Vec<(String, u32, u64, String, String)> =
-            self.run(&self.scripts.claim, p, &[&consumer, &n]).await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for (id, deliveries, lease, stepped, body) in rows {
+        let flat: Vec<redis::Value> = self.run(&self.scripts.claim, p, &[&consumer, &n]).await?;
+        let mut out = Vec::with_capacity(flat.len() / 6);
+        for row in claimed_rows(flat)? {
+            let ClaimedRow {
+                id,
+                deliveries,
+                lease,
+                stepped,
+                body,
+                entry,
+            } = row;
             match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
-                Ok(c) => out.push(c),
+                Ok(c) => out.push(Claimed { entry, ..c }),
                 Err(e) => {
                     // A poison entry: set it aside with the reason, go on with the rest.
                     tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
@@ -1590,10 +1729,22 @@ impl WorkQueue for RedisQueue {
                 .or_default()
                 .push(it);
         }
+        let now = now_ms();
         for (p, its) in by_shard {
-            let mut args: Vec<String> = Vec::with_capacity(1 + 6 * its.len());
+            // An id twice in one batch is journaled once, as the first.
+            let mut ids = std::collections::HashSet::with_capacity(its.len());
+            let its: Vec<&WorkItem> = its.into_iter().filter(|it| ids.insert(it.id)).collect();
+            let (ready, later): (Vec<&WorkItem>, Vec<&WorkItem>) = its
+                .into_iter()
+                .partition(|it| it.not_before.is_none_or(|t| t <= now));
+            let mut args: Vec<String> = Vec::with_capacity(2 + 3 * ready.len() + 6 * later.len());
             args.push(self.opts.max_ready.to_string());
-            for it in its {
+            args.push(ready.len().to_string());
+            for it in ready {
+                let r = rec(it, None)?;
+                args.extend([r.id, r.deliveries.to_string(), r.body]);
+            }
+            for it in later {
                 let r = rec(it, None)?;
                 args.extend([
                     r.id,
@@ -1782,20 +1933,22 @@ impl WorkQueue for RedisQueue {
         } else {
             String::new()
         };
-        let r = self
-            .commit_grouped(
-                &p,
-                [
-                    item.id.to_string(),
-                    claimed.lease.to_string(),
-                    item.flow.clone(),
-                    kind.to_string(),
-                    reason,
-                    effects,
-                    record,
-                ],
-            )
-            .await?;
+        let args = if kind == "ack" && effects.is_empty() && !claimed.entry.is_empty() {
+            // The line its claim wrote in `live` (see `CLAIM`).
+            let line = format!("{} {} {}", claimed.lease, claimed.entry, item.deliveries);
+            CommitArgs::Plain([item.id.to_string(), line, claimed.entry.clone(), record])
+        } else {
+            CommitArgs::Full([
+                item.id.to_string(),
+                claimed.lease.to_string(),
+                item.flow.clone(),
+                kind.to_string(),
+                reason,
+                effects,
+                record,
+            ])
+        };
+        let r = self.commit_grouped(&p, args).await?;
         if r == "failed" {
             return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
         }
@@ -1848,16 +2001,24 @@ impl WorkQueue for RedisQueue {
         // claimed again in place, and handed out by the next claims before anything newer.
         let mut back = Vec::new();
         for p in self.prefixes() {
-            let rows: Vec<(String, u32, u64, String, String)> = self
+            let flat: Vec<redis::Value> = self
                 .run(
                     &self.scripts.recover,
                     &p,
                     &[&consumer, &(RECLAIM_BATCH * RECLAIM_ROUNDS)],
                 )
                 .await?;
-            for (id, deliveries, lease, stepped, body) in rows {
+            for row in claimed_rows(flat)? {
+                let ClaimedRow {
+                    id,
+                    deliveries,
+                    lease,
+                    stepped,
+                    body,
+                    entry,
+                } = row;
                 match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
-                    Ok(c) => back.push(c),
+                    Ok(c) => back.push(Claimed { entry, ..c }),
                     Err(e) => {
                         let reason = format!("undecodable item: {e}");
                         let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;

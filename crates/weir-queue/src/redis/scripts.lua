@@ -5,10 +5,12 @@
 -- script checks everything first and writes after, with nothing left that can fail.
 --
 -- Where an item's record is, by state:
--- - waiting or in flight: its stream entry (fields id, flow, d, enq, body, and stepped when
---   a step made it ready; `d` is the deliveries it had when the entry was made), and its
---   line in the `live` hash: `- ENTRY` while it waits, `LEASE ENTRY SINCE DELIVERIES
---   CONSUMER` once claimed. A claim and an acknowledgement touch no key of the item's own.
+-- - waiting or in flight: its stream entry (fields id, d, body, and stepped when a step
+--   made it ready; `d` is the deliveries it had when the entry was made; the flow and when
+--   it was enqueued are read from the body where they are needed, which is off the hot
+--   path), and its line in the `live` hash: `ENTRY` while it waits, `LEASE ENTRY
+--   DELIVERIES` once claimed (who holds it and since when are the group's pending entry's).
+--   A claim and an acknowledgement touch no key of the item's own.
 -- - delayed, parked or dead: a hash `item:ID` (body, flow, deliveries, enq, st, …).
 -- - finished: one field of the `out` hash (see `finished_record`), the newest FINISHED_KEPT
 --   of them.
@@ -94,20 +96,25 @@ local function out_get(id)
 end
 
 -- A `live` line as its parts: the lease ('-' while waiting), the entry, and once claimed
--- since when, the deliveries counted and the consumer.
+-- the deliveries counted.
 local function parse_live(v)
-  local lease, entry, rest = string.match(v, '^(%S+) (%S+) ?(.*)$')
-  if lease == '-' then return lease, entry end
-  local since, d, consumer = string.match(rest, '^(%S+) (%S+) (.*)$')
-  return lease, entry, since, d, consumer
+  local lease, entry, d = string.match(v, '^(%S+) (%S+) (%S+)$')
+  if not lease then return '-', v end
+  return lease, entry, d
 end
 
--- A stream entry's fields as a table (nil when the entry is gone).
+-- A stream entry's fields as a table, with its item's flow and when it was enqueued read
+-- from the body (nil when the entry is gone).
 local function entry_fields(eid)
   local r = redis.call('XRANGE', STREAM, eid, eid)[1]
   if not r then return nil end
   local f = {}
   for i = 1, #r[2], 2 do f[r[2][i]] = r[2][i + 1] end
+  local ok, it = pcall(cjson.decode, f.body or '')
+  if ok and type(it) == 'table' then
+    if type(it.flow) == 'string' then f.flow = it.flow end
+    if type(it.enqueued_at) == 'number' then f.enq = string.format('%.0f', it.enqueued_at) end
+  end
   return f
 end
 
@@ -178,27 +185,26 @@ local function flush()
   ACKS, INDEXED, FINISHED, GONE, LIVES, OUTS, NEW, READ = {}, {}, {}, {}, {}, {}, {}, {}
 end
 
--- Make an item ready: a new stream entry holding its record, and its `live` line.
-local function enstream(id, flow, d, enq, body, stepped)
+-- Make an item ready: a new stream entry holding its record, and its `live` line. (The
+-- flow and when it was enqueued are in the body.)
+local function enstream(id, d, body, stepped)
   local eid
   if stepped then
-    eid = redis.call('XADD', STREAM, '*', 'id', id, 'flow', flow, 'd', d, 'enq', enq,
-      'body', body, 'stepped', '1')
+    eid = redis.call('XADD', STREAM, '*', 'id', id, 'd', d, 'body', body, 'stepped', '1')
   else
-    eid = redis.call('XADD', STREAM, '*', 'id', id, 'flow', flow, 'd', d, 'enq', enq,
-      'body', body)
+    eid = redis.call('XADD', STREAM, '*', 'id', id, 'd', d, 'body', body)
   end
-  live_set(id, '- ' .. eid)
+  live_set(id, eid)
 end
 
 -- Where an item is: its state and, for one in the stream, its `live` line's parts.
 local function locate(id)
   local v = live_get(id)
   if v then
-    local lease, entry, since, d, consumer = parse_live(v)
+    local lease, entry, d = parse_live(v)
     local st = 'in_flight'
     if lease == '-' then st = 'waiting' end
-    return st, {lease = lease, entry = entry, since = since, d = d, consumer = consumer}
+    return st, {lease = lease, entry = entry, d = d}
   end
   local st = redis.call('HGET', ik(id), 'st')
   if st then return st end
@@ -234,7 +240,7 @@ local function insert(it, fresh)
       it.deliveries, 'lease', 0, 'enq', it.enq, 'st', 'delayed', 'due', it.due)
     redis.call('ZADD', P .. 'delayed', it.due, it.id)
   else
-    enstream(it.id, it.flow, it.deliveries, it.enq, it.body, false)
+    enstream(it.id, it.deliveries, it.body, false)
   end
   return 1
 end
@@ -301,8 +307,8 @@ end
 -- A delayed or parked item (a hash) made ready: its record moves into a stream entry.
 local function make_ready(id, stepped)
   local k = ik(id)
-  local body, flow, d, enq = unpack(redis.call('HMGET', k, 'body', 'flow', 'deliveries', 'enq'))
-  enstream(id, flow or '', d or '0', enq or '0', body or '', stepped)
+  local body, d = unpack(redis.call('HMGET', k, 'body', 'deliveries'))
+  enstream(id, d or '0', body or '', stepped)
   redis.call('DEL', k)
 end
 
@@ -313,7 +319,7 @@ local function requeue(id, eid, f)
   local st, at = locate(id)
   if st ~= 'in_flight' or at.entry ~= eid then return 0 end
   f = f or entry_fields(eid) or {}
-  enstream(id, f.flow or '', at.d, f.enq or '0', f.body or '', false)
+  enstream(id, at.d, f.body or '', false)
   return 1
 end
 
