@@ -8,8 +8,9 @@
 -- - waiting or in flight: its stream entry (fields id, d, body, and stepped when a step
 --   made it ready; `d` is the deliveries it had when the entry was made; the flow and when
 --   it was enqueued are read from the body where they are needed, which is off the hot
---   path), and its line in the `live` hash: `ENTRY` while it waits, `LEASE ENTRY
---   DELIVERIES` once claimed (who holds it and since when are the group's pending entry's).
+--   path), and its line in the `live` hash: `ENTRY` while it waits, `LEASE ENTRY BEFORE`
+--   once claimed, BEFORE being the deliveries before this one (who holds it and since when
+--   are the group's pending entry's).
 --   A claim and an acknowledgement touch no key of the item's own.
 -- - delayed, parked or dead: a hash `item:ID` (body, flow, deliveries, enq, st, …).
 -- - finished: one field of the `out` hash (see `finished_record`), the newest FINISHED_KEPT
@@ -96,11 +97,11 @@ local function out_get(id)
 end
 
 -- A `live` line as its parts: the lease ('-' while waiting), the entry, and once claimed
--- the deliveries counted.
+-- the deliveries counted (this one included).
 local function parse_live(v)
-  local lease, entry, d = string.match(v, '^(%S+) (%S+) (%S+)$')
+  local lease, entry, before = string.match(v, '^(%S+) (%S+) (%S+)$')
   if not lease then return '-', v end
-  return lease, entry, d
+  return lease, entry, tostring(tonumber(before) + 1)
 end
 
 -- A stream entry's fields as a table, with its item's flow and when it was enqueued read
