@@ -73,6 +73,10 @@ pub struct Claimed {
     /// The backend's name for this claim's copy of the item, when it has one (Redis: the
     /// stream entry read), so the commit can check and acknowledge it as is; empty otherwise.
     pub entry: String,
+    /// The item's JSON as the backend journaled it, when the claim read it as text (Redis),
+    /// so that a commit can record the finished item without encoding it again; empty
+    /// otherwise.
+    pub journaled: String,
 }
 
 impl Claimed {
@@ -95,6 +99,7 @@ impl Claimed {
             stepped,
             slot: 0,
             entry: String::new(),
+            journaled: String::new(),
         })
     }
 }

@@ -360,6 +360,7 @@ impl WorkQueue for MemoryQueue {
                         stepped,
                         slot: 0,
                         entry: String::new(),
+                        journaled: String::new(),
                     });
                 }
                 if !out.is_empty() {

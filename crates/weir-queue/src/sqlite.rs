@@ -1704,6 +1704,7 @@ impl WorkQueue for SqliteQueue {
                     stepped: t.stepped,
                     slot: t.seq as u64,
                     entry: String::new(),
+                    journaled: String::new(),
                 }),
                 Err(e) => {
                     // A poison row: set aside with the reason; the ones around it go on.

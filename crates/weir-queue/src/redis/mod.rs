@@ -96,7 +96,8 @@ for c = 1, r, 1000 do
       local id = ARGV[a]
       local eid = redis.call('XADD', STREAM, '*', 'id', id, 'd', ARGV[a + 1], 'body', ARGV[a + 2])
       lines[k + 1], lines[k + 2] = id, eid
-      scored[k + 1], scored[k + 2] = 0, id
+      -- The score as text: a Lua number given to a command is made text there, per item.
+      scored[k + 1], scored[k + 2] = '0', id
       k = k + 2
     end
   end
@@ -1458,7 +1459,11 @@ impl RedisQueue {
                 entry,
             } = row;
             match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
-                Ok(c) => out.push(Claimed { entry, ..c }),
+                Ok(c) => out.push(Claimed {
+                    entry,
+                    journaled: body,
+                    ..c
+                }),
                 Err(e) => {
                     // A poison entry: set it aside with the reason, go on with the rest.
                     tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
@@ -1756,8 +1761,11 @@ impl WorkQueue for RedisQueue {
             args.push(self.opts.max_ready.to_string());
             args.push(ready.len().to_string());
             for it in ready {
-                let r = rec(it, None)?;
-                args.extend([r.id, r.deliveries.to_string(), r.body]);
+                args.extend([
+                    it.id.to_string(),
+                    it.deliveries.to_string(),
+                    serde_json::to_string(it).map_err(corrupt)?,
+                ]);
             }
             for it in later {
                 let r = rec(it, None)?;
@@ -1944,7 +1952,13 @@ impl WorkQueue for RedisQueue {
             let mut rec = Vec::with_capacity(512);
             serde_json::to_writer(&mut rec, &fields).map_err(corrupt)?;
             rec.push(b'\n');
-            serde_json::to_writer(&mut rec, item).map_err(corrupt)?;
+            // The body as journaled (its deliveries and due time are the record's own
+            // fields, which a view reads instead).
+            if claimed.journaled.is_empty() {
+                serde_json::to_writer(&mut rec, item).map_err(corrupt)?;
+            } else {
+                rec.extend_from_slice(claimed.journaled.as_bytes());
+            }
             String::from_utf8(rec).map_err(corrupt)?
         } else {
             String::new()
@@ -2040,7 +2054,11 @@ impl WorkQueue for RedisQueue {
                     entry,
                 } = row;
                 match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
-                    Ok(c) => back.push(Claimed { entry, ..c }),
+                    Ok(c) => back.push(Claimed {
+                        entry,
+                        journaled: body,
+                        ..c
+                    }),
                     Err(e) => {
                         let reason = format!("undecodable item: {e}");
                         let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;

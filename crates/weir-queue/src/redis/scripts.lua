@@ -167,7 +167,7 @@ local function flush()
   each_chunk(outs, function(...) redis.call('HSET', OUT, ...) end)
   local scored = {}
   for _, id in ipairs(INDEXED) do
-    scored[#scored + 1] = 0
+    scored[#scored + 1] = '0'
     scored[#scored + 1] = id
   end
   each_chunk(scored, function(...) redis.call('ZADD', P .. 'index', ...) end)
