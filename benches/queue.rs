@@ -11,11 +11,19 @@
 //!
 //! Every iteration checks that what was journaled was claimed and committed: the number
 //! journaled equals the number sent. Run: `cargo bench --bench queue`.
+//!
+//! The process allocates with mimalloc, as the `weir` binary does by default: the queue is
+//! measured as the daemon runs it (the ceilings' loops run in the same process, on the same
+//! allocator). Until 2026-12-05 23:15 it ran on the C library's malloc (docs/performance-log.md,
+//! *Redis: the hot path built the lean way*).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use serde_json::json;
 use weir_queue::testing::RedisServer;
 use weir_queue::{
