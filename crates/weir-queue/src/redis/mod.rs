@@ -539,11 +539,14 @@ else
   put('deliveries', at.d)
   put('lease', at.lease)
   -- Who holds it and since when: the group's pending entry (its idle time restarts only
-  -- when the entry is claimed again, as a claim would).
+  -- when the entry is claimed again, as a claim would), on the server's clock, which
+  -- measured the idle time.
   local p = redis.pcall('XPENDING', STREAM, G, at.entry, at.entry, 1)
   if type(p) == 'table' and not p.err and p[1] then
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
     put('consumer', p[1][2])
-    put('since', string.format('%.0f', NOWN - p[1][3]))
+    put('since', string.format('%.0f', now - p[1][3]))
   end
 end
 return r
@@ -692,6 +695,22 @@ struct ClaimedRow {
     stepped: String,
     body: String,
     entry: String,
+}
+
+impl ClaimedRow {
+    /// The item claimed, keeping its entry and its JSON as read; or its id and why its body
+    /// cannot be decoded (a poison entry, for the caller to set aside).
+    fn decode(self, consumer: &str) -> Result<Claimed, (String, serde_json::Error)> {
+        let stepped = self.stepped == "1";
+        match Claimed::decode(&self.body, self.deliveries, self.lease, consumer, stepped) {
+            Ok(c) => Ok(Claimed {
+                entry: self.entry,
+                journaled: self.body,
+                ..c
+            }),
+            Err(e) => Err((self.id, e)),
+        }
+    }
 }
 
 /// The rows of a claim's flat answer (six values an item).
@@ -1450,21 +1469,9 @@ impl RedisQueue {
         let flat: Vec<redis::Value> = self.run(&self.scripts.claim, p, &[&consumer, &n]).await?;
         let mut out = Vec::with_capacity(flat.len() / 6);
         for row in claimed_rows(flat)? {
-            let ClaimedRow {
-                id,
-                deliveries,
-                lease,
-                stepped,
-                body,
-                entry,
-            } = row;
-            match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
-                Ok(c) => out.push(Claimed {
-                    entry,
-                    journaled: body,
-                    ..c
-                }),
-                Err(e) => {
+            match row.decode(consumer) {
+                Ok(c) => out.push(c),
+                Err((id, e)) => {
                     // A poison entry: set it aside with the reason, go on with the rest.
                     tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
                     let reason = format!("undecodable item: {e}");
@@ -2045,21 +2052,9 @@ impl WorkQueue for RedisQueue {
                 )
                 .await?;
             for row in claimed_rows(flat)? {
-                let ClaimedRow {
-                    id,
-                    deliveries,
-                    lease,
-                    stepped,
-                    body,
-                    entry,
-                } = row;
-                match Claimed::decode(&body, deliveries, lease, consumer, stepped == "1") {
-                    Ok(c) => back.push(Claimed {
-                        entry,
-                        journaled: body,
-                        ..c
-                    }),
-                    Err(e) => {
+                match row.decode(consumer) {
+                    Ok(c) => back.push(c),
+                    Err((id, e)) => {
                         let reason = format!("undecodable item: {e}");
                         let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;
                     }
