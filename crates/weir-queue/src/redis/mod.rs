@@ -8,14 +8,15 @@
 //!   the entry was made, body; the flow and when it was enqueued are read from the body off
 //!   the hot path) and its line in one hash, `live`: `ENTRY` while it waits, `LEASE ENTRY
 //!   BEFORE` once claimed, BEFORE being the deliveries before this one (who holds it, and
-//!   since when, are the group's pending entry's).
-//!   A claim writes the line in the same script that reads the entry, so the count is the
-//!   item's own, exactly, and a commit from an engine whose lease is gone is refused: a plain
-//!   acknowledgement (the item ends, nothing else is written) sends the line its claim wrote
-//!   and the script compares it whole. A claim and an acknowledgement therefore touch no key
-//!   of the item's own: every write they make is one command for the whole batch, as in the
-//!   bare pipelined loop the benchmarks compare against. Delayed, parked and dead items have a hash each; a finished item leaves its
-//!   record (outcome, when, body) in the hash `out`, the newest 10,000 per shard kept.
+//!   since when, are the group's pending entry's). A claim writes the line in the same
+//!   script that reads the entry, so the count is the item's own, exactly, and a commit from
+//!   an engine whose lease is gone is refused: a plain acknowledgement (the item ends,
+//!   nothing else is written) sends the line its claim wrote and the script compares it
+//!   whole. A claim and an acknowledgement therefore touch no key of the item's own: every
+//!   write they make is one command for the whole batch, as in the bare pipelined loop the
+//!   benchmarks compare against. Delayed, parked and dead items have a hash each; a finished
+//!   item leaves its record (outcome, when, body) in the hash `out`, the newest 10,000 per
+//!   shard kept.
 //! - Delayed items wait in a sorted set; promotion is one script (remove, append, mark), so
 //!   a crash can neither lose nor duplicate one. Parked items are a list per flow, unparked
 //!   by one script. Dead letters are a capped stream; an eviction is counted and recorded.
