@@ -14,10 +14,15 @@ fn item(n: i64) -> WorkItem {
     WorkItem::cascade("f", "in", "test", vec![json!({ "payload": n })])
 }
 
+/// A plain connection to `server`, to read or write behind weir's back.
+async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(server.url()).unwrap();
+    client.get_multiplexed_async_connection().await.unwrap()
+}
+
 /// `CONFIG SET name value` on `server`.
 async fn config_set(server: &RedisServer, name: &str, value: &str) {
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let mut c = raw(server).await;
     let _: () = redis::cmd("CONFIG")
         .arg(&["SET", name, value])
         .query_async(&mut c)
@@ -122,8 +127,7 @@ async fn a_flows_keys_live_in_its_shard() {
     )
     .await
     .unwrap();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let mut c = raw(&server).await;
     for f in flows {
         let k = weir_queue::redis::keys::shard_of(f, 4);
         let key = weir_queue::redis::keys::stream(&weir_queue::redis::keys::prefix("weir", k));
@@ -153,8 +157,7 @@ async fn a_poison_entry_is_dead_lettered_alone_and_the_rest_flow() {
     // A second item whose body is corrupt, written behind weir's back as weir would have
     // written it (its stream entry and its line in `live`), then a third.
     let bad_id = ulid::Ulid::new();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let mut c = raw(&server).await;
     let p = weir_queue::redis::keys::prefix("weir", 0);
     let entry: String = redis::cmd("XADD")
         .arg(weir_queue::redis::keys::stream(&p))
@@ -335,8 +338,7 @@ async fn the_live_hash_stays_a_hash_table_however_few_items_it_holds() {
     let q = RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
         .await
         .unwrap();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let mut c = raw(&server).await;
     let mut encoding = async move || -> Option<String> {
         redis::cmd("OBJECT")
             .arg("ENCODING")
@@ -384,8 +386,7 @@ async fn the_live_hash_stays_a_hash_table_however_few_items_it_holds() {
 #[tokio::test]
 async fn a_namespace_an_earlier_weir_wrote_is_refused_with_the_way_out() {
     let server = RedisServer::start();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let mut c = raw(&server).await;
     // An earlier weir recorded its shards and no layout.
     let _: () = redis::cmd("SET")
         .arg(weir_queue::redis::keys::meta("weir", "shards"))
@@ -456,8 +457,7 @@ async fn a_claim_committed_twice_at_once_ends_its_item_once() {
     let s = q.stats().await.unwrap();
     assert_eq!((s.ready, s.in_flight, s.dead), (0, 0, dead));
     // Each finished item is listed once among the finished records.
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let mut c = raw(&server).await;
     let p = weir_queue::redis::keys::prefix("weir", 0);
     let listed: Vec<String> = redis::cmd("LRANGE")
         .arg(format!("{p}finished"))
@@ -667,8 +667,7 @@ async fn another_engines_replies_and_adds_wake_their_waiters_in_a_cluster_too() 
 #[tokio::test]
 async fn without_pub_sub_rights_replies_and_items_still_cross_engines() {
     let server = RedisServer::start();
-    let admin = redis::Client::open(server.url()).unwrap();
-    let mut c = admin.get_multiplexed_async_connection().await.unwrap();
+    let mut c = raw(&server).await;
     redis::cmd("ACL")
         .arg(&[
             "SETUSER",

@@ -731,7 +731,7 @@ fn claimed_rows(flat: Vec<redis::Value>) -> Result<Vec<ClaimedRow>, QueueError> 
         let before: u32 = redis::from_redis_value(d).map_err(v)?;
         rows.push(ClaimedRow {
             id: redis::from_redis_value(id).map_err(v)?,
-            deliveries: before + 1,
+            deliveries: before.saturating_add(1),
             lease: redis::from_redis_value(lease).map_err(v)?,
             stepped: redis::from_redis_value(stepped).map_err(v)?,
             body: redis::from_redis_value(body).map_err(v)?,
@@ -759,6 +759,15 @@ enum CommitArgs {
     Plain([String; 4]),
     /// Anything else: id, lease, flow, end, reason, effects, finished record.
     Full([String; 7]),
+}
+
+impl CommitArgs {
+    fn strings(&self) -> &[String] {
+        match self {
+            CommitArgs::Plain(a) => a,
+            CommitArgs::Full(a) => a,
+        }
+    }
 }
 
 /// Commits waiting for their shard's next group call.
@@ -1014,13 +1023,8 @@ async fn flush_commits(mut conn: Conn, script: Script, groups: CommitGroups, p: 
             .arg(plain)
             .arg(batch.len() - plain);
         for (args, _) in &batch {
-            match args {
-                CommitArgs::Plain(a) => a.iter().for_each(|a| {
-                    inv.arg(a);
-                }),
-                CommitArgs::Full(a) => a.iter().for_each(|a| {
-                    inv.arg(a);
-                }),
+            for a in args.strings() {
+                inv.arg(a);
             }
         }
         let answer: Result<Vec<String>, QueueError> =

@@ -230,10 +230,9 @@ local function unstream(id)
 end
 
 -- A new item: ready now (an entry in the stream) or delayed (in the sorted set). An id
--- seen before is the same item added again (a retried add): the first is kept. `fresh`
--- says the caller knows the id has no record (see `known`).
-local function insert(it, fresh)
-  if not fresh and known({it.id})[it.id] then return 0 end
+-- seen before is the same item added again (a retried add): the first is kept.
+local function insert(it)
+  if known({it.id})[it.id] then return 0 end
   INDEXED[#INDEXED + 1] = it.id
   NEW[it.id] = true
   if it.due ~= '' and tonumber(it.due) > NOWN then
