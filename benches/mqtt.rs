@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use weir_testkit::ceilings::{cores, fsync_probe, storage_written, transactions, CpuUse, Writer};
-use weir_testkit::{metric_sum, Mosquitto, MqttPeer, WeirProcess};
+use weir_testkit::{metric_sum, until_subscribed, Mosquitto, MqttPeer, WeirProcess};
 
 /// Messages per run: a burst of `BURST` sent as fast as the client can, then `PACED` at
 /// `PACE` apart (latency with no backlog).
@@ -128,7 +128,8 @@ fn main() {
         let queue = format!("sqlite:{}/queue.db", data.path().display());
         let engine = WeirProcess::start(&flows, &queue, &["--mqtt", &broker.url()]).await;
         let observer = MqttPeer::connect(broker.port, "bench-observer", Some("bench/out")).await;
-        tokio::time::sleep(Duration::from_millis(500)).await; // the engine's subscription
+        let at = format!("broker=\"{}\"", broker.url());
+        until_subscribed(&engine.base, &[&at], 1).await;
         let watched = [broker_pid, std::process::id(), engine.pid()];
         let tx0 = transactions(&engine.base).await;
         let writer0 = Writer::now(&engine.base, engine.pid()).await;

@@ -815,6 +815,25 @@ impl Drop for MqttPeer {
     }
 }
 
+/// Wait, for up to 10 s, until the engine at `base` holds `n` MQTT subscriptions its brokers
+/// have acknowledged (`weir_mqtt_subscribed`) among the series whose labels contain every one
+/// of `labels` (say the broker's `broker="mqtt://127.0.0.1:PORT"`: one process may run the
+/// engines of several tests). What a broker gets before then is not the engine's to keep.
+pub async fn until_subscribed(base: &str, labels: &[&str], n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = metric_sum(base, "weir_mqtt_subscribed", labels).await;
+        if now == n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{now} of {n} MQTT subscriptions acknowledged after 10 s ({labels:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// The sum of a Prometheus counter's series at `base/metrics` whose labels contain every one
 /// of `labels`.
 pub async fn metric_sum(base: &str, name: &str, labels: &[&str]) -> u64 {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use weir_queue::testing::RedisServer;
-use weir_testkit::{Mosquitto, MqttPeer, Sink, WeirProcess};
+use weir_testkit::{until_subscribed, Mosquitto, MqttPeer, Sink, WeirProcess};
 
 fn flows(sink: &Sink) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -90,7 +90,9 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str, en
         es.push(WeirProcess::start(dir.path(), queue, &arg_refs(i)).await);
     }
     // The engines' MQTT sessions exist from here on: what the broker takes waits for them.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    for e in &es {
+        until_subscribed(&e.base, &[], 1).await;
+    }
     for round in 0..rounds {
         // Load for a random while: webhooks from one task (to every engine in turn), MQTT
         // from here.

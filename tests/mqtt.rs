@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use weir::Failpoints;
-use weir_testkit::{eventually, get_json, start_with, wait_for, Mosquitto, MqttPeer, WeirProcess};
+use weir_testkit::{
+    eventually, get_json, start_with, until_subscribed, wait_for, Mosquitto, MqttPeer, WeirProcess,
+};
 
 const DOUBLE: &str = r#"
 id: double
@@ -218,8 +220,24 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     })
     .await;
     broker.stop();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The engine sees its subscription gone, and has it again once the broker is back.
+    let (base, at) = (format!("http://{}", e.addr), broker_label(&broker));
+    eventually(
+        "the subscription seen gone",
+        Duration::from_secs(10),
+        || {
+            let (base, at) = (base.clone(), at.clone());
+            async move {
+                match weir_testkit::metric_sum(&base, "weir_mqtt_subscribed", &[&at]).await {
+                    0 => Ok(()),
+                    n => Err(n),
+                }
+            }
+        },
+    )
+    .await;
     broker.restart();
+    until_subscribed(&base, &[&at], 1).await;
     device.publish_numbers(300..600, 5).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while arrivals(&observer).len() < 600 && std::time::Instant::now() < deadline {
@@ -283,7 +301,11 @@ nodes:
     let b = start_with(&qb, Some(&mb), &[("shared.yaml", &fb)], Failpoints::new()).await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let at = broker_label(&broker);
+    for (e, name) in [(&a, "a"), (&b, "b")] {
+        let client = format!("client=\"engine-{name}-in-");
+        until_subscribed(&format!("http://{}", e.admin_addr), &[&at, &client], 1).await;
+    }
     device.publish_numbers(0..400, 5).await;
     wait_for(
         "400 messages through one engine or the other",
@@ -415,7 +437,12 @@ nodes:
         .unwrap();
     let observer = MqttPeer::connect(cloud.port, "observer", Some("plant/#")).await;
     let device = MqttPeer::connect(plant.port, "device", None).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_subscribed(
+        &format!("http://{}", e.admin_addr),
+        &[&broker_label(&plant)],
+        1,
+    )
+    .await;
     device.publish_numbers(0..20, 5).await;
     wait_for(
         "20 messages carried from one broker to the other",
@@ -479,7 +506,8 @@ nodes:
     .await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("done/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // One connection and one subscription for the three flows on the filter.
+    until_subscribed(&format!("http://{}", e.addr), &[&broker_label(&broker)], 1).await;
     for n in 0..50u64 {
         device
             .client
@@ -532,23 +560,27 @@ async fn a_broker_down_at_start_is_waited_for_and_stops_nothing_else() {
         200,
         "the other flows run while the broker is down"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    // The broker comes up on that port: the engine connects and subscribes by itself.
+    let base = format!("http://{}", e.addr);
+    let labels = [format!("broker=\"mqtt://127.0.0.1:{port}\"")];
+    let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+    assert_eq!(
+        weir_testkit::metric_sum(&base, "weir_mqtt_subscribed", &labels).await,
+        0,
+        "no subscription while the broker is down"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await; // down a while, the engine retrying
+                                                          // The broker comes up on that port: the engine connects and subscribes by itself.
     let broker = Mosquitto::start_on(port);
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let mut n = 0;
-    while arrivals(&observer).is_empty() {
-        // Until the engine's subscription is up, a message finds no one; send another.
-        device.publish_numbers(n..n + 1, 5).await;
-        n += 1;
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the engine never connected"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_subscribed(&base, &labels, 1).await;
+    device.publish_numbers(0..20, 5).await;
+    wait_for(
+        "the 20 published once it was up",
+        Duration::from_secs(20),
+        || arrivals(&observer).len() == 20,
+    )
+    .await;
     e.shutdown().await;
 }
 
@@ -637,4 +669,9 @@ nodes:
     if let Ok(e) = std::sync::Arc::try_unwrap(e) {
         e.shutdown().await;
     }
+}
+
+/// The `broker` label of an engine's MQTT metrics for `broker`.
+fn broker_label(broker: &Mosquitto) -> String {
+    format!("broker=\"{}\"", broker.url())
 }

@@ -10,8 +10,8 @@ use weir::queue::{RedisOptions, RedisQueue, StateKey, StateRead, WorkQueue};
 use weir::{Failpoints, RunningEngine};
 use weir_queue::testing::RedisServer;
 use weir_testkit::{
-    get_json, post_admin, post_json, start_exec, start_on, test_exec, wait_for, Mosquitto,
-    MqttPeer, Sink, WeirProcess,
+    get_json, post_admin, post_json, start_exec, start_on, test_exec, until_subscribed, wait_for,
+    Mosquitto, MqttPeer, Sink, WeirProcess,
 };
 
 /// Which engine sent each body the sink received (`by`), and how many each.
@@ -446,7 +446,9 @@ nodes:
     let c = start(2).await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    for e in [&a, &b, &c] {
+        until_subscribed(&e.base, &[], 1).await;
+    }
 
     device.publish_numbers(0..N / 2, 7).await;
     wait_for("a quarter through", Duration::from_secs(60), || {

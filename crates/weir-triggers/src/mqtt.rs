@@ -76,14 +76,27 @@ pub fn spawn_all(
         plan.push((broker, filter, qos, routes));
     }
     for (broker, filter, qos, routes) in plan {
-        let (client, events) = AsyncClient::new(broker.options(&suffix(&filter)), 1024);
+        let options = broker.options(&suffix(&filter));
+        let subscribed = metrics::gauge!(
+            "weir_mqtt_subscribed",
+            "broker" => broker.address(),
+            "client" => options.client_id(),
+            "filter" => broker.subscription(&filter),
+        );
+        let (client, events) = AsyncClient::new(options, 1024);
         let (tx, rx) = mpsc::unbounded_channel();
         let (q, c, i, s) = (queue.clone(), client.clone(), intake.clone(), stop.clone());
         let r = routes.clone();
         tracker.spawn(async move { journal(q, c, rx, r, i, s).await });
-        let (b, s) = (broker.address(), stop.clone());
-        let subscription = broker.subscription(&filter);
-        tracker.spawn(async move { read(events, client, subscription, qos, tx, b, s).await });
+        let link = Link {
+            client,
+            filter: broker.subscription(&filter),
+            qos,
+            broker: broker.address(),
+            subscribed,
+        };
+        let s = stop.clone();
+        tracker.spawn(async move { read(events, link, tx, s).await });
     }
     Ok(())
 }
@@ -98,17 +111,36 @@ fn suffix(filter: &str) -> String {
     format!("in-{h:016x}")
 }
 
+/// One subscribing connection, as its reading task sees it.
+struct Link {
+    client: AsyncClient,
+    /// What it subscribes to (the shared form with `share=`).
+    filter: String,
+    qos: QoS,
+    /// The broker's address, for the log.
+    broker: String,
+    /// `weir_mqtt_subscribed`: 1 from the broker's acknowledgement of the subscription until
+    /// the connection fails. Meanwhile, what the broker gets for the filter reaches this
+    /// engine only if its session was kept.
+    subscribed: metrics::Gauge,
+}
+
 /// Own the connection: read, hand publishes to the journal task, resubscribe on connect.
 async fn read(
     mut events: rumqttc::EventLoop,
-    client: AsyncClient,
-    filter: String,
-    qos: QoS,
+    link: Link,
     tx: mpsc::UnboundedSender<Publish>,
-    broker: String,
     stop: CancellationToken,
 ) {
+    let Link {
+        client,
+        filter,
+        qos,
+        broker,
+        subscribed,
+    } = link;
     let mut failures = 0u32;
+    subscribed.set(0.0);
     loop {
         let ev = tokio::select! {
             _ = stop.cancelled() => break,
@@ -129,6 +161,9 @@ async fn read(
             Ok(Event::Incoming(Packet::SubAck(s))) => {
                 if s.return_codes.contains(&SubscribeReasonCode::Failure) {
                     tracing::error!(%broker, %filter, "the broker refused the subscription (check its ACL)");
+                } else {
+                    tracing::debug!(%broker, %filter, "subscribed");
+                    subscribed.set(1.0);
                 }
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
@@ -138,6 +173,7 @@ async fn read(
             }
             Ok(_) => {}
             Err(e) => {
+                subscribed.set(0.0);
                 failures += 1;
                 if failures == 1 || failures.is_multiple_of(50) {
                     tracing::warn!(%broker, %filter, error = %e, failures, "MQTT connection failing; retrying");
@@ -149,6 +185,7 @@ async fn read(
             }
         }
     }
+    subscribed.set(0.0);
 }
 
 /// Journal what has arrived, then ack it, in arrival order.

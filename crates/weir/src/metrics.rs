@@ -119,6 +119,10 @@ pub fn describe() {
         "Time a queue write (journaling an event, a wave's commit, …) took from its request to its durable answer: waiting for the transaction under way, then its own"
     );
     describe_gauge!(
+        "weir_mqtt_subscribed",
+        "1 while the broker has acknowledged an mqtt-in connection's subscription, by broker, client id and filter; 0 from start until then and while the connection is made again (what the broker gets for the filter meanwhile reaches the engine only if its session was kept)"
+    );
+    describe_gauge!(
         "weir_redis_reply_channel_listening",
         "1 while this engine listens for the replies other engines post for its waiting `respond: wave` requests and for the items they add while none of their claims waits (Redis); 0 while it cannot, and polls for them up to 25 ms late (a process running several engines: how many listen)"
     );
