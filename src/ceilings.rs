@@ -169,6 +169,23 @@ pub fn threads_cpu_time(pid: u32, name: &str) -> Duration {
         .sum()
 }
 
+/// The time the threads of `pid` whose name starts with `name` have spent ready to run but
+/// waiting for a core (the second field of each one's /proc `schedstat`, nanoseconds), or
+/// `None` where the kernel keeps no such count.
+pub fn threads_runqueue_wait(pid: u32, name: &str) -> Option<Duration> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut sum = Duration::ZERO;
+    for t in tasks.flatten() {
+        if !std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(name)) {
+            continue;
+        }
+        let s = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+        let waited: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
+        sum += Duration::from_nanos(waited);
+    }
+    Some(sum)
+}
+
 /// User + system time from a `stat` file of /proc (a process's or a thread's).
 fn stat_cpu(path: &str) -> Duration {
     let stat = std::fs::read_to_string(path).unwrap_or_default();
@@ -679,6 +696,8 @@ pub async fn redis_lean_pipelined(
 pub struct Writer {
     at: Instant,
     cpu: Duration,
+    /// Ready to run, waiting for a core.
+    runqueue: Option<Duration>,
     in_commit: f64,
     /// Writes answered, and their time from request to durable answer, summed.
     writes: f64,
@@ -692,6 +711,7 @@ impl Writer {
         Writer {
             at: Instant::now(),
             cpu: threads_cpu_time(pid, WRITER_THREAD),
+            runqueue: threads_runqueue_wait(pid, WRITER_THREAD),
             in_commit: m("weir_sqlite_commit_seconds_sum").await,
             writes: m("weir_sqlite_wait_seconds_count").await,
             waited: m("weir_sqlite_wait_seconds_sum").await,
@@ -711,8 +731,18 @@ impl Writer {
         let fsyncs = committed as f64 * fsync_cpu.as_secs_f64() / wall;
         let cycle = wall * 1e6 / committed.max(1) as f64;
         let waited = (now.waited - self.waited) * 1e6 / (now.writes - self.writes).max(1.0);
+        // Time the writer was ready but the cores were taken: it lengthens its COMMITs (an
+        // fsync's end is noticed only once the thread runs again) and its SQL alike.
+        let for_a_core = match (self.runqueue, now.runqueue) {
+            (Some(a), Some(b)) => format!(
+                ", waiting for a core {:.0} % of the time ({:.0} µs a transaction)",
+                (b - a).as_secs_f64() / wall * 100.0,
+                (b - a).as_secs_f64() * 1e6 / committed.max(1) as f64
+            ),
+            _ => String::new(),
+        };
         format!(
-            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included); a transaction every {cycle:.0} µs, and a write (journaling, commit) waited {waited:.0} µs for its durable answer, {:.1} transactions' time",
+            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included{for_a_core}); a transaction every {cycle:.0} µs, and a write (journaling, commit) waited {waited:.0} µs for its durable answer, {:.1} transactions' time",
             ((cpu + commit - fsyncs) * 100.0).clamp(0.0, 100.0),
             cpu * 100.0,
             commit * 100.0,
