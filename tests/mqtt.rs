@@ -568,8 +568,9 @@ async fn a_broker_down_at_start_is_waited_for_and_stops_nothing_else() {
         0,
         "no subscription while the broker is down"
     );
-    tokio::time::sleep(Duration::from_millis(500)).await; // down a while, the engine retrying
-                                                          // The broker comes up on that port: the engine connects and subscribes by itself.
+    // Down a while, the engine retrying; then the broker comes up on that port, and the
+    // engine connects and subscribes by itself.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let broker = Mosquitto::start_on(port);
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
