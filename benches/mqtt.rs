@@ -130,8 +130,7 @@ fn main() {
         let queue = format!("sqlite:{}/queue.db", data.path().display());
         let engine = WeirProcess::start(&flows, &queue, &["--mqtt", &broker.url()]).await;
         let observer = MqttPeer::connect(broker.port, "bench-observer", Some("bench/out")).await;
-        let at = format!("broker=\"{}\"", broker.url());
-        until_subscribed(&engine.base, &[&at], 1).await;
+        until_subscribed(&engine.base, &[&broker.label()], 1).await;
         let watched = [broker_pid, std::process::id(), engine.pid()];
         let tx0 = transactions(&engine.base).await;
         let writer0 = Writer::now(&engine.base, engine.pid()).await;

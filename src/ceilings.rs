@@ -154,18 +154,25 @@ pub fn thread_cpu_time() -> Duration {
     stat_cpu("/proc/thread-self/stat")
 }
 
-/// CPU time used so far by the threads of process `pid` whose name starts with `name` (as
-/// the kernel keeps it: at most 15 bytes, so `weir-sqlite-wri` for the SQLite writer).
-pub fn threads_cpu_time(pid: u32, name: &str) -> Duration {
+/// The /proc directories of the threads of process `pid` whose name starts with `name` (as
+/// the kernel keeps it: at most 15 bytes, so `weir-sqlite-wri` for the SQLite writer; `""`
+/// for all of them); none when the process is gone.
+fn threads(pid: u32, name: &str) -> Vec<std::path::PathBuf> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return Duration::ZERO;
+        return Vec::new();
     };
     tasks
         .flatten()
-        .filter(|t| {
-            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(name))
-        })
-        .map(|t| stat_cpu(&t.path().join("stat").to_string_lossy()))
+        .map(|t| t.path())
+        .filter(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.starts_with(name)))
+        .collect()
+}
+
+/// CPU time used so far by the threads of process `pid` whose name starts with `name`.
+pub fn threads_cpu_time(pid: u32, name: &str) -> Duration {
+    threads(pid, name)
+        .iter()
+        .map(|t| stat_cpu(&t.join("stat").to_string_lossy()))
         .sum()
 }
 
@@ -173,17 +180,14 @@ pub fn threads_cpu_time(pid: u32, name: &str) -> Duration {
 /// waiting for a core (the second field of each one's /proc `schedstat`, nanoseconds), or
 /// `None` where the kernel keeps no such count.
 pub fn threads_runqueue_wait(pid: u32, name: &str) -> Option<Duration> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let mut sum = Duration::ZERO;
-    for t in tasks.flatten() {
-        if !std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with(name)) {
-            continue;
-        }
-        let s = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
-        let waited: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
-        sum += Duration::from_nanos(waited);
-    }
-    Some(sum)
+    threads(pid, name)
+        .iter()
+        .map(|t| {
+            let s = std::fs::read_to_string(t.join("schedstat")).ok()?;
+            let waited: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
+            Some(Duration::from_nanos(waited))
+        })
+        .sum()
 }
 
 /// User + system time from a `stat` file of /proc (a process's or a thread's).

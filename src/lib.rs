@@ -592,6 +592,11 @@ impl Mosquitto {
         format!("mqtt://127.0.0.1:{}", self.port)
     }
 
+    /// The `broker` label an engine puts on its MQTT metrics for this broker.
+    pub fn label(&self) -> String {
+        broker_label(self.port)
+    }
+
     /// Start it again (same port, same persistence file) after [`stop`](Self::stop).
     pub fn restart(&mut self) {
         assert!(
@@ -815,10 +820,17 @@ impl Drop for MqttPeer {
     }
 }
 
+/// The `broker` label an engine puts on its MQTT metrics for a broker on this machine's
+/// `port` (also before anything listens there).
+pub fn broker_label(port: u16) -> String {
+    format!("broker=\"mqtt://127.0.0.1:{port}\"")
+}
+
 /// Wait, for up to 10 s, until the engine at `base` holds `n` MQTT subscriptions its brokers
 /// have acknowledged (`weir_mqtt_subscribed`) among the series whose labels contain every one
 /// of `labels` (say the broker's `broker="mqtt://127.0.0.1:PORT"`: one process may run the
 /// engines of several tests). What a broker gets before then is not the engine's to keep.
+/// With `n` 0: until the engine has seen its subscriptions gone.
 pub async fn until_subscribed(base: &str, labels: &[&str], n: u64) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

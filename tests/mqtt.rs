@@ -7,7 +7,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use weir::Failpoints;
 use weir_testkit::{
-    eventually, get_json, start_with, until_subscribed, wait_for, Mosquitto, MqttPeer, WeirProcess,
+    broker_label, eventually, get_json, start_with, until_subscribed, wait_for, Mosquitto,
+    MqttPeer, WeirProcess,
 };
 
 const DOUBLE: &str = r#"
@@ -221,23 +222,10 @@ async fn a_broker_restart_mid_stream_loses_nothing() {
     .await;
     broker.stop();
     // The engine sees its subscription gone, and has it again once the broker is back.
-    let (base, at) = (format!("http://{}", e.addr), broker_label(&broker));
-    eventually(
-        "the subscription seen gone",
-        Duration::from_secs(10),
-        || {
-            let (base, at) = (base.clone(), at.clone());
-            async move {
-                match weir_testkit::metric_sum(&base, "weir_mqtt_subscribed", &[&at]).await {
-                    0 => Ok(()),
-                    n => Err(n),
-                }
-            }
-        },
-    )
-    .await;
+    let base = format!("http://{}", e.admin_addr);
+    until_subscribed(&base, &[&broker.label()], 0).await;
     broker.restart();
-    until_subscribed(&base, &[&at], 1).await;
+    until_subscribed(&base, &[&broker.label()], 1).await;
     device.publish_numbers(300..600, 5).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while arrivals(&observer).len() < 600 && std::time::Instant::now() < deadline {
@@ -301,7 +289,7 @@ nodes:
     let b = start_with(&qb, Some(&mb), &[("shared.yaml", &fb)], Failpoints::new()).await;
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    let at = broker_label(&broker);
+    let at = broker.label();
     for (e, name) in [(&a, "a"), (&b, "b")] {
         let client = format!("client=\"engine-{name}-in-");
         until_subscribed(&format!("http://{}", e.admin_addr), &[&at, &client], 1).await;
@@ -437,12 +425,7 @@ nodes:
         .unwrap();
     let observer = MqttPeer::connect(cloud.port, "observer", Some("plant/#")).await;
     let device = MqttPeer::connect(plant.port, "device", None).await;
-    until_subscribed(
-        &format!("http://{}", e.admin_addr),
-        &[&broker_label(&plant)],
-        1,
-    )
-    .await;
+    until_subscribed(&format!("http://{}", e.admin_addr), &[&plant.label()], 1).await;
     device.publish_numbers(0..20, 5).await;
     wait_for(
         "20 messages carried from one broker to the other",
@@ -507,7 +490,7 @@ nodes:
     let observer = MqttPeer::connect(broker.port, "observer", Some("done/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
     // One connection and one subscription for the three flows on the filter.
-    until_subscribed(&format!("http://{}", e.addr), &[&broker_label(&broker)], 1).await;
+    until_subscribed(&format!("http://{}", e.admin_addr), &[&broker.label()], 1).await;
     for n in 0..50u64 {
         device
             .client
@@ -560,11 +543,9 @@ async fn a_broker_down_at_start_is_waited_for_and_stops_nothing_else() {
         200,
         "the other flows run while the broker is down"
     );
-    let base = format!("http://{}", e.addr);
-    let labels = [format!("broker=\"mqtt://127.0.0.1:{port}\"")];
-    let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+    let (base, at) = (format!("http://{}", e.admin_addr), broker_label(port));
     assert_eq!(
-        weir_testkit::metric_sum(&base, "weir_mqtt_subscribed", &labels).await,
+        weir_testkit::metric_sum(&base, "weir_mqtt_subscribed", &[&at]).await,
         0,
         "no subscription while the broker is down"
     );
@@ -574,7 +555,7 @@ async fn a_broker_down_at_start_is_waited_for_and_stops_nothing_else() {
     let broker = Mosquitto::start_on(port);
     let observer = MqttPeer::connect(broker.port, "observer", Some("results/#")).await;
     let device = MqttPeer::connect(broker.port, "device", None).await;
-    until_subscribed(&base, &labels, 1).await;
+    until_subscribed(&base, &[&at], 1).await;
     device.publish_numbers(0..20, 5).await;
     wait_for(
         "the 20 published once it was up",
@@ -670,9 +651,4 @@ nodes:
     if let Ok(e) = std::sync::Arc::try_unwrap(e) {
         e.shutdown().await;
     }
-}
-
-/// The `broker` label of an engine's MQTT metrics for `broker`.
-fn broker_label(broker: &Mosquitto) -> String {
-    format!("broker=\"{}\"", broker.url())
 }
