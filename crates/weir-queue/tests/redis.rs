@@ -1,6 +1,7 @@
 //! What the Redis backend promises beyond the shared contract: dead-letter evictions are
 //! counted and recorded, never silent; unsafe persistence settings are reported; items of
-//! one flow stay in their flow's shard.
+//! one flow stay in their flow's shard; an entry weir did not write is removed with a count and
+//! a warning, not in silence.
 
 use std::time::Duration;
 
@@ -715,6 +716,15 @@ impl metrics::GaugeFn for GaugeOf {
     }
 }
 
+impl metrics::CounterFn for GaugeOf {
+    fn increment(&self, v: u64) {
+        metrics::GaugeFn::increment(self, v as f64);
+    }
+    fn absolute(&self, v: u64) {
+        metrics::GaugeFn::set(self, v as f64);
+    }
+}
+
 struct Recorder(std::sync::Arc<Gauges>);
 
 impl metrics::Recorder for Recorder {
@@ -739,8 +749,11 @@ impl metrics::Recorder for Recorder {
         _: metrics::SharedString,
     ) {
     }
-    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        metrics::Counter::noop()
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(std::sync::Arc::new(GaugeOf(
+            self.0.clone(),
+            key.name().to_string(),
+        )))
     }
     fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
         metrics::Gauge::from_arc(std::sync::Arc::new(GaugeOf(
@@ -794,6 +807,68 @@ fn the_listening_gauge_counts_each_queue_until_it_is_dropped() {
                 assert!(two.hears_other_engines(), "the other still listens");
                 drop(two);
                 until("the gauge goes back to 0", || listening() == 0.0).await;
+            })
+    });
+}
+
+/// An entry that another program adds to the queue's stream is not run, and does not vanish
+/// in silence either: the claim that finds it removes it and counts it in
+/// `weir_redis_foreign_entries_total` (with a warning naming its fields), and the items
+/// around it flow.
+#[test]
+fn an_entry_weir_did_not_write_is_removed_and_counted() {
+    let server = RedisServer::start();
+    let gauges = std::sync::Arc::new(Gauges::default());
+    let recorder = Recorder(gauges.clone());
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let q =
+                    RedisQueue::connect(&server.url(), RedisOptions::default(), Failpoints::new())
+                        .await
+                        .unwrap();
+                q.add(vec![item(1)]).await.unwrap();
+                let mut c = raw(&server).await;
+                let stream =
+                    weir_queue::redis::keys::stream(&weir_queue::redis::keys::prefix("weir", 0));
+                let foreign: String = redis::cmd("XADD")
+                    .arg(&stream)
+                    .arg("*")
+                    .arg(&["temperature", "21.5", "room", "kitchen"])
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                q.add(vec![item(3)]).await.unwrap();
+                let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
+                let ns: Vec<i64> = got
+                    .iter()
+                    .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
+                    .collect();
+                assert_eq!(ns, vec![1, 3], "the items around the entry are handed out");
+                let counted = gauges
+                    .0
+                    .lock()
+                    .unwrap()
+                    .get("weir_redis_foreign_entries_total")
+                    .copied();
+                assert_eq!(counted, Some(1.0), "the entry is counted");
+                let left: Vec<redis::Value> = redis::cmd("XRANGE")
+                    .arg(&stream)
+                    .arg(&foreign)
+                    .arg(&foreign)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                assert!(left.is_empty(), "the entry is out of the stream: {left:?}");
+                assert!(q.dead_letters(10).await.unwrap().is_empty());
+                // Nothing comes back for it later either.
+                for g in got {
+                    q.commit(&g, WaveEffects::ending(End::Ack)).await.unwrap();
+                }
+                assert!(q.claim("a", 10, Duration::ZERO).await.unwrap().is_empty());
             })
     });
 }

@@ -134,6 +134,10 @@ pub fn describe() {
         "weir_redis_adds_heard_total",
         "Times this engine's waiting claims were woken by items another engine added while none of its own claims waited, heard on the channel (Redis)"
     );
+    describe_counter!(
+        "weir_redis_foreign_entries_total",
+        "Entries found in a queue's Redis stream that weir did not write (added by another program), each removed with a warning that gives its fields"
+    );
     describe_gauge!(
         "weir_dead_letters_evicted",
         "Dead letters evicted past the backend's cap, all told"

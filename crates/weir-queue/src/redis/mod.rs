@@ -175,7 +175,16 @@ for i = 1, n do
   local e = entries[i]
   local eid, f = e[1], e[2]
   -- Fields as written: id, d, body[, stepped].
-  if cur[i] ~= eid or f[3] ~= 'd' or f[5] ~= 'body' then
+  if f[1] ~= 'id' or f[3] ~= 'd' or f[5] ~= 'body' then
+    -- An entry weir did not write (added to the stream by something else): taken out of
+    -- the stream like a stale one, and answered as a row with no id, its fields as text
+    -- where the body goes, for the engine to report.
+    ACKS[#ACKS + 1] = eid
+    out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6] =
+      '', '0', 0, '0', string.sub(table.concat(f, ' '), 1, 200), eid
+    o = o + 6
+  elseif cur[i] ~= eid then
+    -- Stale: its item is no longer waiting on this entry.
     ACKS[#ACKS + 1] = eid
   else
     lines[k + 1], lines[k + 2] = ids[i], ls .. eid .. ' ' .. f[4]
@@ -1474,6 +1483,17 @@ impl RedisQueue {
         let flat: Vec<redis::Value> = self.run(&self.scripts.claim, p, &[&consumer, &n]).await?;
         let mut out = Vec::with_capacity(flat.len() / 6);
         for row in claimed_rows(flat)? {
+            if row.id.is_empty() {
+                // Not weir's: the script has already taken it out of the stream.
+                metrics::counter!("weir_redis_foreign_entries_total").increment(1);
+                tracing::warn!(
+                    entry = %row.entry,
+                    fields = %row.body,
+                    "a stream entry weir did not write was found in the queue's stream and removed; \
+                     whatever wrote it should use a webhook or MQTT instead"
+                );
+                continue;
+            }
             match row.decode(consumer) {
                 Ok(c) => out.push(c),
                 Err((id, e)) => {
