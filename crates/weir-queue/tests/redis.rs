@@ -15,6 +15,13 @@ fn item(n: i64) -> WorkItem {
     WorkItem::cascade("f", "in", "test", vec![json!({ "payload": n })])
 }
 
+/// The payloads of claimed `item`s, in the order claimed.
+fn payloads(got: &[weir_queue::Claimed]) -> Vec<i64> {
+    got.iter()
+        .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
+        .collect()
+}
+
 /// A plain connection to `server`, to read or write behind weir's back.
 async fn raw(server: &RedisServer) -> redis::aio::MultiplexedConnection {
     let client = redis::Client::open(server.url()).unwrap();
@@ -180,11 +187,11 @@ async fn a_poison_entry_is_dead_lettered_alone_and_the_rest_flow() {
         .unwrap();
     q.add(vec![item(3)]).await.unwrap();
     let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
-    let ns: Vec<i64> = got
-        .iter()
-        .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
-        .collect();
-    assert_eq!(ns, vec![1, 3], "the items around the poison are handed out");
+    assert_eq!(
+        payloads(&got),
+        vec![1, 3],
+        "the items around the poison are handed out"
+    );
     let dead = q.dead_letters(10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].item.id, bad_id);
@@ -843,11 +850,11 @@ fn an_entry_weir_did_not_write_is_removed_and_counted() {
                     .unwrap();
                 q.add(vec![item(3)]).await.unwrap();
                 let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
-                let ns: Vec<i64> = got
-                    .iter()
-                    .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
-                    .collect();
-                assert_eq!(ns, vec![1, 3], "the items around the entry are handed out");
+                assert_eq!(
+                    payloads(&got),
+                    vec![1, 3],
+                    "the items around the entry are handed out"
+                );
                 let counted = gauges
                     .0
                     .lock()
