@@ -738,12 +738,21 @@ fn claimed_rows(flat: Vec<redis::Value>) -> Result<Vec<ClaimedRow>, QueueError> 
         let (d, lease, stepped, body, entry) = (next(), next(), next(), next(), next());
         let v = |e: redis::ParsingError| corrupt(format!("a claim's answer: {e}"));
         let before: u32 = redis::from_redis_value(d).map_err(v)?;
+        let id: String = redis::from_redis_value(id).map_err(v)?;
+        let body: Vec<u8> = redis::from_redis_value(body).map_err(v)?;
+        // A row with no id carries the fields of an entry weir did not write, cut to 200
+        // bytes: text to show, whatever bytes it holds. weir's own bodies are UTF-8 JSON.
+        let body = if id.is_empty() {
+            String::from_utf8_lossy(&body).into_owned()
+        } else {
+            String::from_utf8(body).map_err(|e| corrupt(format!("a claim's answer: {e}")))?
+        };
         rows.push(ClaimedRow {
-            id: redis::from_redis_value(id).map_err(v)?,
+            id,
             deliveries: before.saturating_add(1),
             lease: redis::from_redis_value(lease).map_err(v)?,
             stepped: redis::from_redis_value(stepped).map_err(v)?,
-            body: redis::from_redis_value(body).map_err(v)?,
+            body,
             entry: redis::from_redis_value(entry).map_err(v)?,
         });
     }
