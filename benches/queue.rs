@@ -21,9 +21,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use serde_json::json;
 use weir_queue::testing::RedisServer;
 use weir_queue::{
@@ -34,6 +31,9 @@ use weir_testkit::ceilings::{
     bytes_written, cpu_time, drive_pipelined, fsync_probe, redis_lean_pipelined,
     redis_lean_scripts, redis_server_cpu, redis_streams_loop, sqlite_batched, Pipelined,
 };
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
 const BATCH: usize = 256;

@@ -1497,7 +1497,8 @@ impl RedisQueue {
                 metrics::counter!("weir_redis_foreign_entries_total").increment(1);
                 tracing::warn!(
                     entry = %row.entry,
-                    fields = %row.body,
+                    // Debug: quoted and escaped, so its text cannot pass for lines of the log.
+                    fields = ?row.body,
                     "a stream entry weir did not write was found in the queue's stream and removed; \
                      whatever wrote it should use a webhook or MQTT instead"
                 );
