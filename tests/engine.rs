@@ -732,3 +732,56 @@ async fn wait_finished(e: &weir::RunningEngine, id: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A `respond: wave` request whose wave can start at once starts it where the event is
+/// journaled, not after the executor claims it: so it is answered even while every place
+/// the executor claims into is held by a slow wave of another flow. On the durable default
+/// and in memory alike.
+#[tokio::test]
+async fn respond_wave_is_answered_while_the_executors_places_are_held() {
+    let sink = Sink::start().await;
+    sink.answer_after(4000);
+    let hold = format!(
+        r#"
+nodes:
+  in: {{ type: webhook, path: hold, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("slow")
+    );
+    let echo = r#"
+nodes:
+  hook: { type: webhook, path: echo, respond: wave, timeout: 2s, to: [shape] }
+  shape: { type: function, script: "msg.payload = msg.payload + 1; msg", to: [answer] }
+  answer: { type: http-response, status: 200 }
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite:{}", dir.path().join("q.db").display());
+    for url in ["memory", sqlite.as_str()] {
+        let mut exec = weir_testkit::test_exec();
+        exec.max_in_flight = 1;
+        let e =
+            weir_testkit::start_exec(url, exec, &[("hold.yaml", &hold), ("echo.yaml", echo)]).await;
+        let delivered = sink.count();
+        assert_eq!(post_json(&e, "hold", json!(1)).await.status(), 202);
+        let deadline = Instant::now() + SECS;
+        while get_json(&e, "/api/stats").await["in_flight"] != 1 {
+            assert!(
+                Instant::now() < deadline,
+                "{url}: the slow wave never started"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for n in 0..3 {
+            let r = post_json(&e, "echo", json!(n)).await;
+            assert_eq!(r.status(), 200, "{url}: {:?}", r.text().await);
+            assert_eq!(r.json::<Value>().await.unwrap(), json!(n + 1), "{url}");
+        }
+        assert_eq!(
+            sink.count(),
+            delivered,
+            "{url}: answered while the slow wave still held its place"
+        );
+        e.shutdown().await;
+    }
+}

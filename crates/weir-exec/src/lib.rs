@@ -280,6 +280,16 @@ pub struct Executor {
     pub flows: Arc<Flows>,
     pub cfg: ExecConfig,
     pub failpoints: Failpoints,
+    /// Every wave this executor runs, the ones its callers start ([`Executor::start_claimed`])
+    /// with those it claims: shutdown waits for all of them.
+    waves: TaskTracker,
+}
+
+/// A place for a wave its caller journals claimed and starts itself
+/// ([`Executor::place_for`]): its share of the flow's concurrency, held until the wave runs.
+pub struct Place {
+    flow: Arc<FlowRt>,
+    permit: OwnedSemaphorePermit,
 }
 
 /// A claimed item on its way to its wave, with its share of the in-flight bound.
@@ -351,13 +361,44 @@ impl Executor {
             flows,
             cfg,
             failpoints,
+            waves: TaskTracker::new(),
         })
+    }
+
+    /// A place to start a wave of `flow` from `node` right where its item is journaled, with
+    /// no claim between (a `respond: wave` webhook, whose answer waits for the wave): when
+    /// the queue can claim an item as it journals it, the flow runs waves side by side
+    /// (`concurrency` over 1) and has a place free now, and the wave can reach no stateful
+    /// node (whose calls queue in journal order). `None` otherwise: journal the item as
+    /// usual and the executor claims it. Order is kept: a flow's items waiting for a place
+    /// hold the flow's semaphore's queue, so none is free while they wait, and the item is
+    /// journaled claimed only when no other is ready.
+    pub fn place_for(&self, flow: &str, node: &str) -> Option<Place> {
+        if !self.queue.claims_on_add() || self.waves.is_closed() {
+            return None;
+        }
+        let f = self.flows.get(flow)?;
+        let n = f.flow.node_index(node)?;
+        if f.flow.concurrency <= 1 || !f.flow.stateful_from(n).is_empty() {
+            return None;
+        }
+        let permit = f.permits.clone().try_acquire_owned().ok()?;
+        Some(Place { flow: f, permit })
+    }
+
+    /// Run the wave of `c`, journaled claimed by this engine (`WorkQueue::add_claimed`) into
+    /// `place`, as a task.
+    pub fn start_claimed(self: &Arc<Self>, place: Place, c: Claimed) {
+        let me = self.clone();
+        self.waves.spawn(async move {
+            me.process(Some(place.flow), c, Some(place.permit)).await;
+        });
     }
 
     /// Run until `shutdown` fires: stop claiming, finish the waves in flight (up to the
     /// grace period), return. What is left is redelivered on the next start.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
-        let tracker = TaskTracker::new();
+        let tracker = self.waves.clone();
         let in_flight = Arc::new(Semaphore::new(self.cfg.max_in_flight));
         let waiting = Arc::new(Semaphore::new(self.cfg.max_waiting.max(1)));
         let mut lanes: HashMap<String, Lane> = HashMap::new();
@@ -659,6 +700,54 @@ pub fn backoff(base: Duration, cap: Duration, attempt: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn executor(queue: Arc<dyn WorkQueue>, flows: &[(&str, &str)]) -> Arc<Executor> {
+        let lib = weir_nodes::Library::builtin();
+        let flows = flows
+            .iter()
+            .map(|(file, src)| lib.load_str(file, src).expect("flow loads"))
+            .collect();
+        Executor::new(
+            queue,
+            Arc::new(Flows::new(flows)),
+            ExecConfig::default(),
+            Failpoints::new(),
+        )
+    }
+
+    /// A wave starts where its item is journaled only where no order can be passed: a flow
+    /// that runs waves side by side, with a place free, whose wave reaches no stateful node
+    /// (their calls queue in journal order). (A queue that cannot claim as it journals,
+    /// Redis, gives no place at all: the conformance suite checks it says so.)
+    #[test]
+    fn a_wave_starts_where_journaled_only_where_it_passes_no_order() {
+        const ECHO: &str = "nodes:\n  h: { type: webhook, path: e, respond: wave, to: [a] }\n  a: { type: http-response }\n";
+        let serial = format!("concurrency: 1\n{ECHO}");
+        let two = format!("concurrency: 2\n{ECHO}");
+        let counted = "nodes:\n  h: { type: webhook, path: c, respond: wave, to: [n] }\n  n: { type: function, script: 'state.set(\"n\", 1); msg', to: [a] }\n  a: { type: http-response }\n";
+        let delayed = "nodes:\n  h: { type: webhook, path: d, respond: wave, to: [d] }\n  d: { type: delay, for: 1s, mode: restart, to: [a] }\n  a: { type: http-response }\n";
+        let flows = [
+            ("echo.yaml", ECHO),
+            ("serial.yaml", serial.as_str()),
+            ("two.yaml", two.as_str()),
+            ("counted.yaml", counted),
+            ("delayed.yaml", delayed),
+        ];
+        let ex = executor(Arc::new(weir_queue::MemoryQueue::new()), &flows);
+        assert!(ex.place_for("echo", "h").is_some());
+        assert!(ex.place_for("serial", "h").is_none(), "concurrency 1");
+        assert!(
+            ex.place_for("counted", "h").is_none(),
+            "a function with state"
+        );
+        assert!(ex.place_for("delayed", "h").is_none(), "a debounce");
+        assert!(ex.place_for("gone", "h").is_none(), "a flow not loaded");
+        let held = [ex.place_for("two", "h"), ex.place_for("two", "h")];
+        assert!(held.iter().all(Option::is_some));
+        assert!(ex.place_for("two", "h").is_none(), "both places held");
+        drop(held);
+        assert!(ex.place_for("two", "h").is_some(), "places given back");
+    }
 
     #[test]
     fn backoff_doubles_with_jitter_up_to_the_cap() {

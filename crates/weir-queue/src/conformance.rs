@@ -33,7 +33,8 @@ macro_rules! conformance_tests {
             idempotency_key_returns_first_id, ticks_are_journaled_once, cancel_by_hand,
             replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work,
             recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago,
-            items_come_back_as_they_were_added, an_item_added_again_is_journaled_once
+            items_come_back_as_they_were_added, an_item_added_again_is_journaled_once,
+            an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -97,6 +98,54 @@ pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
             .unwrap(),
         Committed::Conflict
     );
+}
+
+/// `add_claimed` (a `respond: wave` webhook starting its own wave): with nothing ready, the
+/// item comes back claimed for the caller, its delivery counted, and nobody else gets it;
+/// behind a ready item it is journaled ready, and claims take both in journal order. A
+/// backend that cannot claim as it journals journals the item ready every time.
+pub async fn an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it(
+    q: Q,
+    _fp: Failpoints,
+) {
+    let first = item("f", 1);
+    let id = first.id;
+    let got = q.add_claimed("web", first).await.unwrap();
+    let Some(c) = got else {
+        assert!(!q.claims_on_add(), "the backend says it claims on add");
+        let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+        assert_eq!(c.len(), 1, "journaled ready instead");
+        assert_eq!(c[0].item.id, id);
+        return;
+    };
+    assert!(q.claims_on_add());
+    assert_eq!(c.item.id, id);
+    assert_eq!(payload(&c.item), 1);
+    assert_eq!((c.consumer.as_str(), c.item.deliveries), ("web", 1));
+    match q.get(id).await.unwrap().unwrap().state {
+        ItemState::InFlight { consumer, .. } => assert_eq!(consumer, "web"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        q.claim("a", 10, Duration::ZERO).await.unwrap().is_empty(),
+        "nobody else gets it"
+    );
+    // Behind a ready item: journaled ready, after it.
+    q.add(vec![item("f", 2)]).await.unwrap();
+    assert!(q.add_claimed("web", item("f", 3)).await.unwrap().is_none());
+    let rest = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        rest.iter().map(|x| payload(&x.item)).collect::<Vec<_>>(),
+        [2, 3]
+    );
+    for x in rest.iter().chain([&c]) {
+        assert_eq!(
+            q.commit(x, WaveEffects::ending(End::Ack)).await.unwrap(),
+            Committed::Done
+        );
+    }
+    // Nothing ready again: claimed again.
+    assert!(q.add_claimed("web", item("f", 4)).await.unwrap().is_some());
 }
 
 pub async fn claims_in_journal_order(q: Q, _fp: Failpoints) {

@@ -314,6 +314,26 @@ pub trait WorkQueue: StateRead + Send + Sync {
     /// Journal items (ready now, or delayed when `not_before` is in the future).
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError>;
 
+    /// Whether [`WorkQueue::add_claimed`] can hand an item back claimed (otherwise it only
+    /// journals it, as `add` does).
+    fn claims_on_add(&self) -> bool {
+        false
+    }
+
+    /// Journal `item` and, when nothing else is ready (so it passes nothing in journal
+    /// order), claim it for `consumer` in the same write: its caller starts its wave at
+    /// once, with no claim between. `None` when it was journaled ready instead, for the
+    /// executor to claim. A caller gone before the answer leaves nothing stranded: the item
+    /// is made ready again, its delivery counted.
+    async fn add_claimed(
+        &self,
+        consumer: &str,
+        item: WorkItem,
+    ) -> Result<Option<Claimed>, QueueError> {
+        let _ = consumer;
+        self.add(vec![item]).await.map(|_| None)
+    }
+
     /// Journal `item` unless `key` was used before; returns the id journaled under `key` and
     /// whether it is new.
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError>;

@@ -94,6 +94,30 @@ impl Inner {
         );
     }
 
+    /// Claim `id`, just taken out of the ready order, for `consumer`.
+    fn take(&mut self, id: Ulid, consumer: &str, now: i64) -> Option<Claimed> {
+        self.lease += 1;
+        let lease = self.lease;
+        let stepped = self.permits.contains(&id);
+        let e = self.entries.get_mut(&id)?;
+        e.item.deliveries += 1;
+        e.lease = lease;
+        e.st = St::InFlight {
+            consumer: consumer.to_string(),
+            since: now,
+            at: Instant::now(),
+        };
+        Some(Claimed {
+            item: e.item.clone(),
+            lease,
+            consumer: consumer.to_string(),
+            stepped,
+            slot: 0,
+            entry: String::new(),
+            journaled: String::new(),
+        })
+    }
+
     fn insert_dead(&mut self, item: WorkItem, reason: String, at: i64) {
         self.seq += 1;
         self.dead.insert((at, item.id));
@@ -281,6 +305,42 @@ impl WorkQueue for MemoryQueue {
         Ok(())
     }
 
+    fn claims_on_add(&self) -> bool {
+        true
+    }
+
+    async fn add_claimed(
+        &self,
+        consumer: &str,
+        item: WorkItem,
+    ) -> Result<Option<Claimed>, QueueError> {
+        let now = now_ms();
+        let id = item.id;
+        let claimed = {
+            let mut g = self.lock();
+            if g.ready.len() >= self.max_ready {
+                return Err(QueueError::Full(g.ready.len()));
+            }
+            // Only when nothing else is ready: it passes nothing in the ready order.
+            let first = g.ready.is_empty() && !g.entries.contains_key(&id);
+            g.insert(item, now);
+            match first {
+                true => match g.entries.get(&id).map(|e| (e.seq, &e.st)) {
+                    Some((seq, St::Ready)) => {
+                        g.ready.remove(&seq);
+                        g.take(id, consumer, now)
+                    }
+                    _ => None,
+                },
+                false => None,
+            }
+        };
+        if claimed.is_none() {
+            self.ready.notify_waiters();
+        }
+        Ok(claimed)
+    }
+
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
         let id = item.id;
         {
@@ -340,28 +400,7 @@ impl WorkQueue for MemoryQueue {
                     let Some((_, id)) = g.ready.pop_first() else {
                         break;
                     };
-                    g.lease += 1;
-                    let lease = g.lease;
-                    let stepped = g.permits.contains(&id);
-                    let Some(e) = g.entries.get_mut(&id) else {
-                        continue;
-                    };
-                    e.item.deliveries += 1;
-                    e.lease = lease;
-                    e.st = St::InFlight {
-                        consumer: consumer.to_string(),
-                        since: now,
-                        at: Instant::now(),
-                    };
-                    out.push(Claimed {
-                        item: e.item.clone(),
-                        lease,
-                        consumer: consumer.to_string(),
-                        stepped,
-                        slot: 0,
-                        entry: String::new(),
-                        journaled: String::new(),
-                    });
+                    out.extend(g.take(id, consumer, now));
                 }
                 if !out.is_empty() {
                     return Ok(out);

@@ -403,7 +403,22 @@ enum Job {
         reply: oneshot::Sender<Answer>,
     },
     Claim(Waiter),
+    /// Journal a row claimed at once for its caller (`add_claimed`).
+    AddClaimed(AddClaimed),
 }
+
+/// An item to journal claimed for `consumer`, when nothing else is ready.
+struct AddClaimed {
+    row: Encoded,
+    consumer: String,
+    /// `add`'s bound on the items ready.
+    max_ready: i64,
+    reply: oneshot::Sender<AddClaimedAnswer>,
+}
+
+/// The item's row and lease when it was journaled claimed; `None` when it was journaled
+/// ready instead (something else was ready before it, or it was there already).
+type AddClaimedAnswer = Result<Option<(i64, u64)>, QueueError>;
 
 /// What the writer is sent: a job for its next batch, or the order to close.
 enum Msg {
@@ -418,6 +433,7 @@ enum Held {
     Run(oneshot::Sender<Answer>, Answer),
     /// Items claimed for `Waiter` (or the error claiming them).
     Claim(Waiter, ClaimAnswer),
+    AddClaimed(oneshot::Sender<AddClaimedAnswer>, AddClaimedAnswer),
 }
 
 /// The SQLite queue. `SqliteQueue::open("weir-data/queue.db", Failpoints::new())`.
@@ -749,6 +765,9 @@ fn write_loop(
                     Job::Claim(x) => {
                         let _ = x.reply.send(Err(QueueError::Unavailable(e.clone())));
                     }
+                    Job::AddClaimed(x) => {
+                        let _ = x.reply.send(Err(QueueError::Unavailable(e.clone())));
+                    }
                 }
             }
             continue;
@@ -775,6 +794,10 @@ fn write_loop(
                     Job::Run { run, reply } => {
                         let a = guarded(&conn, &mut poison, || run(&conn, &mut w));
                         held.push(Held::Run(reply, a));
+                    }
+                    Job::AddClaimed(x) => {
+                        let a = guarded(&conn, &mut poison, || add_claimed(&conn, &mut w, &x));
+                        held.push(Held::AddClaimed(x.reply, a));
                     }
                     // Older claims are waiting: this one waits behind them. What this batch made
                     // ready goes to the oldest first (`serve_waiters` below), so a claim made
@@ -844,6 +867,13 @@ fn write_loop(
                                 w.orphans.extend(items.iter().map(|t| t.seq));
                             }
                         }
+                        // The caller gave up waiting (a webhook's client went away): nobody
+                        // will run the item, so it is made ready again for the executor.
+                        Held::AddClaimed(reply, got) => {
+                            if let Err(Ok(Some((seq, _)))) = reply.send(got) {
+                                w.orphans.push(seq);
+                            }
+                        }
                     }
                 }
             }
@@ -857,6 +887,9 @@ fn write_loop(
                         }
                         // Nothing was claimed after all: the claimer goes on waiting.
                         Held::Claim(x, _) => w.waiters.push(x),
+                        Held::AddClaimed(reply, _) => {
+                            let _ = reply.send(Err(QueueError::Unavailable(e.to_string())));
+                        }
                     }
                 }
             }
@@ -1188,6 +1221,71 @@ fn insert_claimed(
         enqueued_at: row.enqueued_at,
     });
     Ok(())
+}
+
+/// The answer to an `add_claimed` on its way. Dropped before it is received (the caller's
+/// future dropped: a webhook's client went away), an item it claimed is made ready again,
+/// as the writer does when the answer cannot be sent at all: nobody else would run it
+/// before the reclaim delay.
+struct Unreceived {
+    rx: Option<oneshot::Receiver<AddClaimedAnswer>>,
+    jobs: mpsc::Sender<Msg>,
+}
+
+impl Unreceived {
+    async fn receive(&mut self) -> Result<AddClaimedAnswer, oneshot::error::RecvError> {
+        let rx = self.rx.as_mut().expect("received once");
+        let got = rx.await;
+        self.rx = None;
+        got
+    }
+}
+
+impl Drop for Unreceived {
+    fn drop(&mut self) {
+        let Some(Ok(Ok(Some((seq, _))))) = self.rx.take().map(|mut rx| rx.try_recv()) else {
+            return;
+        };
+        let (reply, _) = oneshot::channel();
+        let run: Run = Box::new(move |c, w| {
+            ready_again(c, w, &[seq])?;
+            Ok(Box::new(()) as Box<dyn Any + Send>)
+        });
+        // A writer that has stopped leaves it in flight: the next start takes it back.
+        let _ = self.jobs.send(Msg::Job(Job::Run { run, reply }));
+    }
+}
+
+/// Journal `x.row` in flight for `x.consumer` when nothing else is ready, so it passes
+/// nothing in the ready order; otherwise journal it ready, as `add` does.
+fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnswer {
+    if w.ready >= x.max_ready {
+        return Err(QueueError::Full(w.ready.max(0) as usize));
+    }
+    let row = &x.row;
+    if w.ready != 0 || row.due.is_some() {
+        insert_all(c, w, std::slice::from_ref(row))?;
+        return Ok(None);
+    }
+    w.ord += 1;
+    let lease = w.lease + 1;
+    let n = c.prepare_cached(INSERT_CLAIMED_SQL)?.execute(params![
+        row.id,
+        row.flow,
+        w.ord,
+        row.deliveries + 1,
+        row.enqueued_at,
+        row.body,
+        lease as i64,
+        x.consumer,
+        now_ms()
+    ])?;
+    if n == 0 {
+        // The same id journaled before (a retried add): that copy goes its own way.
+        return Ok(None);
+    }
+    w.lease = lease;
+    Ok(Some((c.last_insert_rowid(), lease)))
 }
 
 fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<(), QueueError> {
@@ -1615,6 +1713,52 @@ impl WorkQueue for SqliteQueue {
                 "failpoint `add-reply-lost` fired (the add went through)".into(),
             )),
         })
+    }
+
+    fn claims_on_add(&self) -> bool {
+        true
+    }
+
+    async fn add_claimed(
+        &self,
+        consumer: &str,
+        item: WorkItem,
+    ) -> Result<Option<Claimed>, QueueError> {
+        let row = Encoded::new(item.clone(), now_ms())?;
+        let (reply, rx) = oneshot::channel();
+        let sent = std::time::Instant::now();
+        self.jobs
+            .send(Msg::Job(Job::AddClaimed(AddClaimed {
+                row,
+                consumer: consumer.to_string(),
+                max_ready: self.max_ready,
+                reply,
+            })))
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
+        let mut answer = Unreceived {
+            rx: Some(rx),
+            jobs: self.jobs.clone(),
+        };
+        let got = answer
+            .receive()
+            .await
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
+        metrics::histogram!("weir_sqlite_wait_seconds").record(sent.elapsed().as_secs_f64());
+        Ok(got?.map(|(seq, lease)| {
+            let mut item = item;
+            item.deliveries += 1;
+            // A claimed item is due now.
+            item.not_before = None;
+            Claimed {
+                item,
+                lease,
+                consumer: consumer.to_string(),
+                stepped: false,
+                slot: seq as u64,
+                entry: String::new(),
+                journaled: String::new(),
+            }
+        }))
     }
 
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
@@ -2077,6 +2221,85 @@ mod tests {
 
     fn item(n: i64) -> WorkItem {
         WorkItem::cascade("f", "in", "t", vec![serde_json::json!({ "payload": n })])
+    }
+
+    /// An `add_claimed` whose caller goes away (a webhook's client hung up) leaves no item
+    /// stranded in flight until the reclaim delay: whether its answer was never sent (the
+    /// caller gone before the commit) or sent and never read (gone after it), the item is
+    /// made ready again and the executor's claim gets it, its first delivery counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_item_added_claimed_for_a_caller_gone_is_ready_again() {
+        let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+        // Gone before the answer: the writer is busy with another job while the caller
+        // gives up, so the answer finds nobody.
+        let busy = tokio::spawn({
+            let q = q.clone();
+            async move {
+                q.write(|_, _| {
+                    std::thread::sleep(Duration::from_millis(200));
+                    Ok(())
+                })
+                .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let early = item(1);
+        let gone = tokio::time::timeout(
+            Duration::from_millis(20),
+            q.add_claimed("web", early.clone()),
+        )
+        .await;
+        assert!(
+            gone.is_err(),
+            "answered while the writer was busy: {gone:?}"
+        );
+        busy.await.unwrap().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let again = claim_until(&q, deadline).await;
+        assert_eq!((again.item.id, again.item.deliveries), (early.id, 2));
+        // Gone after it: the answer waits unread in its channel when the caller drops it.
+        let late = item(2);
+        let before = q.batches();
+        let mut call = Box::pin(q.add_claimed("web", late.clone()));
+        assert!(poll_once(&mut call).await.is_none());
+        while q.batches() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writer never committed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(call);
+        let again = claim_until(&q, deadline).await;
+        assert_eq!((again.item.id, again.item.deliveries), (late.id, 2));
+    }
+
+    /// The next item the executor's claim gets, waiting for it until `deadline`.
+    async fn claim_until(q: &SqliteQueue, deadline: std::time::Instant) -> Claimed {
+        loop {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nothing came back to claim"
+            );
+            if let Some(c) = q
+                .claim("exec", 1, Duration::from_millis(200))
+                .await
+                .unwrap()
+                .pop()
+            {
+                return c;
+            }
+        }
+    }
+
+    /// Poll `f` once: its answer if it had one.
+    async fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
+        let polled =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *f).poll(cx)));
+        match polled.await {
+            std::task::Poll::Ready(out) => Some(out),
+            std::task::Poll::Pending => None,
+        }
     }
 
     /// Claims asking for different numbers of items reuse one prepared statement.

@@ -15,7 +15,7 @@ use hmac::{Hmac, Mac};
 use serde_json::{json, Value};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
-use weir_exec::Flows;
+use weir_exec::{Executor, Flows};
 use weir_nodes::triggers::{Auth, Trigger, WebhookSpec};
 use weir_queue::{QueueError, WorkItem, WorkQueue};
 
@@ -79,16 +79,26 @@ struct Hooks {
     queue: Arc<dyn WorkQueue>,
     routes: Routes,
     intake: Intake,
+    /// The engine's executor, when `respond: wave` requests may start their own waves.
+    exec: Option<Arc<Executor>>,
 }
 
 /// The `/hooks/*` routes for every webhook node of `flows`, and the handle that changes them.
-pub fn router(queue: Arc<dyn WorkQueue>, flows: &Flows, intake: Intake) -> (Router, Routes) {
+/// With `exec`, a `respond: wave` request whose wave can start at once runs it in a task of
+/// its own as soon as it is journaled ([`Executor::place_for`]), not after a claim.
+pub fn router(
+    queue: Arc<dyn WorkQueue>,
+    flows: &Flows,
+    intake: Intake,
+    exec: Option<Arc<Executor>>,
+) -> (Router, Routes) {
     let routes = Routes::default();
     routes.rebuild(flows);
     let state = Hooks {
         queue,
         routes: routes.clone(),
         intake,
+        exec,
     };
     let r = Router::new()
         .route("/hooks/{*path}", any(handle))
@@ -172,7 +182,24 @@ async fn accept(
             let key = format!("{}:{}:{key}", hook.flow, hook.node);
             s.queue.add_idempotent(&key, item).await.map(|(id, _)| id)
         }
-        None => s.queue.add(vec![item]).await.map(|_| id),
+        None => match s
+            .exec
+            .as_ref()
+            .filter(|_| hook.spec.respond_wave)
+            .and_then(|ex| Some((ex, ex.place_for(&hook.flow, &hook.node)?)))
+        {
+            // Journaled claimed, the wave starts here: its answer does not wait for the
+            // executor to be handed the item and to start it.
+            Some((ex, place)) => match s.queue.add_claimed(&ex.cfg.consumer, item).await {
+                Ok(Some(c)) => {
+                    ex.start_claimed(place, c);
+                    Ok(id)
+                }
+                Ok(None) => Ok(id),
+                Err(e) => Err(e),
+            },
+            None => s.queue.add(vec![item]).await.map(|_| id),
+        },
     };
     let id = match added {
         Ok(id) => {

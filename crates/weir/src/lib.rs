@@ -404,8 +404,18 @@ impl Engine {
             }
             Err(e) => tracing::warn!(error = e, "/metrics will not serve weir's metrics"),
         }
-        let (hooks, routes) =
-            weir_triggers::webhook::router(queue.clone(), &self.flows, intake.clone());
+        let executor = Executor::new(
+            queue.clone(),
+            self.flows.clone(),
+            self.exec.clone(),
+            self.failpoints.clone(),
+        );
+        let (hooks, routes) = weir_triggers::webhook::router(
+            queue.clone(),
+            &self.flows,
+            intake.clone(),
+            Some(executor.clone()),
+        );
         let triggers = stop.child_token();
         let reloader = Arc::new(Reloader {
             source: self.source,
@@ -419,12 +429,6 @@ impl Engine {
             triggers: tokio::sync::Mutex::new(triggers.clone()),
         });
         reloader.spawn_triggers(&triggers)?;
-        let executor = Executor::new(
-            queue.clone(),
-            self.flows.clone(),
-            self.exec.clone(),
-            self.failpoints.clone(),
-        );
         let ex_stop = stop.clone();
         tracker.spawn(async move { executor.run(ex_stop).await });
         let admin = admin::router(
