@@ -1194,18 +1194,7 @@ fn insert_claimed(
 ) -> Result<(), QueueError> {
     let lease = w.lease + 1;
     let deliveries = row.deliveries + 1;
-    let n = ins.execute(params![
-        row.id,
-        row.flow,
-        w.ord,
-        deliveries,
-        row.enqueued_at,
-        row.body,
-        lease as i64,
-        w.waiters[x].consumer,
-        now_ms()
-    ])?;
-    if n == 0 {
+    if !write_in_flight(ins, row, w.ord, lease, &w.waiters[x].consumer)? {
         return Ok(());
     }
     w.lease = lease;
@@ -1269,23 +1258,36 @@ fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnsw
     }
     w.ord += 1;
     let lease = w.lease + 1;
-    let n = c.prepare_cached(INSERT_CLAIMED_SQL)?.execute(params![
-        row.id,
-        row.flow,
-        w.ord,
-        row.deliveries + 1,
-        row.enqueued_at,
-        row.body,
-        lease as i64,
-        x.consumer,
-        now_ms()
-    ])?;
-    if n == 0 {
+    let mut ins = c.prepare_cached(INSERT_CLAIMED_SQL)?;
+    if !write_in_flight(&mut ins, row, w.ord, lease, &x.consumer)? {
         // The same id journaled before (a retried add): that copy goes its own way.
         return Ok(None);
     }
     w.lease = lease;
     Ok(Some((c.last_insert_rowid(), lease)))
+}
+
+/// Write `row` in flight for `consumer` under `lease`, its delivery counted, with `ins`
+/// (`INSERT_CLAIMED_SQL`); `false` when its id was journaled before.
+fn write_in_flight(
+    ins: &mut rusqlite::CachedStatement<'_>,
+    row: &Encoded,
+    ord: i64,
+    lease: u64,
+    consumer: &str,
+) -> Result<bool, QueueError> {
+    let n = ins.execute(params![
+        row.id,
+        row.flow,
+        ord,
+        row.deliveries + 1,
+        row.enqueued_at,
+        row.body,
+        lease as i64,
+        consumer,
+        now_ms()
+    ])?;
+    Ok(n > 0)
 }
 
 fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<(), QueueError> {
