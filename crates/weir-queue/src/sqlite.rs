@@ -404,7 +404,8 @@ enum Job {
     },
     Claim(Waiter),
     /// Journal a row claimed at once for its caller (`add_claimed`).
-    AddClaimed(AddClaimed),
+    /// Boxed: the other jobs, sent many times more often, stay small.
+    AddClaimed(Box<AddClaimed>),
 }
 
 /// An item to journal claimed for `consumer`, when nothing else is ready.
@@ -1730,12 +1731,12 @@ impl WorkQueue for SqliteQueue {
         let (reply, rx) = oneshot::channel();
         let sent = std::time::Instant::now();
         self.jobs
-            .send(Msg::Job(Job::AddClaimed(AddClaimed {
+            .send(Msg::Job(Job::AddClaimed(Box::new(AddClaimed {
                 row,
                 consumer: consumer.to_string(),
                 max_ready: self.max_ready,
                 reply,
-            })))
+            }))))
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
         let mut answer = Unreceived {
             rx: Some(rx),
