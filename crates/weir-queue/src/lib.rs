@@ -92,15 +92,21 @@ impl Claimed {
         let mut item: WorkItem = serde_json::from_str(body)?;
         item.deliveries = deliveries;
         item.not_before = None;
-        Ok(Claimed {
+        Ok(Claimed::new(item, lease, consumer, stepped, 0))
+    }
+
+    /// `item` claimed for `consumer` under `lease`, at `slot` (0: none), with no copy of
+    /// its journaled entry kept.
+    pub fn new(item: WorkItem, lease: u64, consumer: &str, stepped: bool, slot: u64) -> Self {
+        Claimed {
             item,
             lease,
             consumer: consumer.to_string(),
             stepped,
-            slot: 0,
+            slot,
             entry: String::new(),
             journaled: String::new(),
-        })
+        }
     }
 }
 

@@ -107,15 +107,7 @@ impl Inner {
             since: now,
             at: Instant::now(),
         };
-        Some(Claimed {
-            item: e.item.clone(),
-            lease,
-            consumer: consumer.to_string(),
-            stepped,
-            slot: 0,
-            entry: String::new(),
-            journaled: String::new(),
-        })
+        Some(Claimed::new(e.item.clone(), lease, consumer, stepped, 0))
     }
 
     fn insert_dead(&mut self, item: WorkItem, reason: String, at: i64) {

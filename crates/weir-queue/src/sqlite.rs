@@ -1752,15 +1752,7 @@ impl WorkQueue for SqliteQueue {
             item.deliveries += 1;
             // A claimed item is due now.
             item.not_before = None;
-            Claimed {
-                item,
-                lease,
-                consumer: consumer.to_string(),
-                stepped: false,
-                slot: seq as u64,
-                entry: String::new(),
-                journaled: String::new(),
-            }
+            Claimed::new(item, lease, consumer, false, seq as u64)
         }))
     }
 
@@ -1844,15 +1836,13 @@ impl WorkQueue for SqliteQueue {
                 due: None,
             };
             match decode(&t.body, cols) {
-                Ok(item) => out.push(Claimed {
+                Ok(item) => out.push(Claimed::new(
                     item,
-                    lease: t.lease,
-                    consumer: consumer.to_string(),
-                    stepped: t.stepped,
-                    slot: t.seq as u64,
-                    entry: String::new(),
-                    journaled: String::new(),
-                }),
+                    t.lease,
+                    consumer,
+                    t.stepped,
+                    t.seq as u64,
+                )),
                 Err(e) => {
                     // A poison row: set aside with the reason; the ones around it go on.
                     // If setting it aside fails, the items claimed with it are still handed
