@@ -190,14 +190,12 @@ async fn accept(
         {
             // Journaled claimed, the wave starts here: its answer does not wait for the
             // executor to be handed the item and to start it.
-            Some((ex, place)) => match s.queue.add_claimed(&ex.cfg.consumer, item).await {
-                Ok(Some(c)) => {
+            Some((ex, place)) => s.queue.add_claimed(&ex.cfg.consumer, item).await.map(|c| {
+                if let Some(c) = c {
                     ex.start_claimed(place, c);
-                    Ok(id)
                 }
-                Ok(None) => Ok(id),
-                Err(e) => Err(e),
-            },
+                id
+            }),
             None => s.queue.add(vec![item]).await.map(|_| id),
         },
     };
