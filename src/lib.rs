@@ -331,12 +331,16 @@ fn cargo_build() -> std::process::Command {
 }
 
 /// The `weir` binary of these sources, brought up to date by cargo at the first call in a
-/// test process.
+/// test process; `WEIR_BIN` names another one to use instead (to measure two builds in turn
+/// with a bench that runs one).
 pub fn weir_bin() -> std::path::PathBuf {
     // Built (or found up to date) once per test process: a binary left from an earlier
     // build of other sources would be measured or tested in their place.
     static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     BIN.get_or_init(|| {
+        if let Some(bin) = std::env::var_os("WEIR_BIN") {
+            return bin.into();
+        }
         let exe = std::env::current_exe().expect("test binary path");
         let dir = exe
             .parent()
