@@ -292,6 +292,41 @@ pub struct Place {
     permit: OwnedSemaphorePermit,
 }
 
+/// A wave started where its item was journaled ([`Executor::start_claimed`]): its caller
+/// polls it (it is a future that ends with the wave) as long as it waits for what the wave
+/// gives it, in its own task, with no hand-off between. Dropped before the wave ends, the
+/// rest of it runs as a task of its own: a caller gone (a client that hung up) never
+/// strands a wave. Shutdown waits for it like any other.
+pub struct StartedWave(Option<Pin<Box<dyn Future<Output = ()> + Send>>>);
+
+impl Future for StartedWave {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(wave) = self.0.as_mut() else {
+            return Poll::Ready(());
+        };
+        let ended = wave.as_mut().poll(cx);
+        if ended.is_ready() {
+            self.0 = None;
+        }
+        ended
+    }
+}
+
+impl Drop for StartedWave {
+    fn drop(&mut self) {
+        if let Some(wave) = self.0.take() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn(wave)),
+                // No runtime to run it on (the process is ending): its item is in flight
+                // under this engine's name, and the next start takes it back.
+                Err(_) => tracing::warn!("a wave was left unfinished with no runtime to finish it; its item is redelivered at the next start"),
+            }
+        }
+    }
+}
+
 /// A claimed item on its way to its wave, with its share of the in-flight bound.
 struct Job {
     claimed: Claimed,
@@ -386,13 +421,13 @@ impl Executor {
         Some(Place { flow: f, permit })
     }
 
-    /// Run the wave of `c`, journaled claimed by this engine (`WorkQueue::add_claimed`) into
-    /// `place`, as a task.
-    pub fn start_claimed(self: &Arc<Self>, place: Place, c: Claimed) {
+    /// The wave of `c`, journaled claimed by this engine (`WorkQueue::add_claimed`) into
+    /// `place`, for its caller to run as far as it needs (a webhook, until its reply); what
+    /// is left goes on as a task of its own when the caller drops it.
+    pub fn start_claimed(self: &Arc<Self>, place: Place, c: Claimed) -> StartedWave {
         let me = self.clone();
-        self.waves.spawn(async move {
-            me.process(Some(place.flow), c, Some(place.permit)).await;
-        });
+        let wave = async move { me.process(Some(place.flow), c, Some(place.permit)).await };
+        StartedWave(Some(Box::pin(self.waves.track_future(wave))))
     }
 
     /// Run until `shutdown` fires: stop claiming, finish the waves in flight (up to the
@@ -747,6 +782,58 @@ mod tests {
         assert!(ex.place_for("two", "h").is_none(), "both places held");
         drop(held);
         assert!(ex.place_for("two", "h").is_some(), "places given back");
+    }
+
+    /// A wave its caller runs ([`Executor::start_claimed`]) and drops before the end (a
+    /// webhook's client hung up, or the reply came before the commit) runs to its end on its
+    /// own: its item is finished, not left in flight until the reclaim delay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_started_wave_dropped_before_its_end_still_ends() {
+        const ECHO: &str = "nodes:\n  h: { type: webhook, path: e, respond: wave, to: [f] }\n  f: { type: function, script: 'msg.payload.seen = true; msg', to: [a] }\n  a: { type: http-response }\n";
+        let q = Arc::new(weir_queue::SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let ex = executor(q.clone(), &[("echo.yaml", ECHO)]);
+        let mut ids = Vec::new();
+        for polled in [false, true] {
+            let place = ex.place_for("echo", "h").expect("a place");
+            let msg = serde_json::json!({ "payload": { "n": 1 } });
+            let item = weir_queue::WorkItem::cascade("echo", "h", "t", vec![msg]);
+            let id = item.id;
+            let c = q.add_claimed(&ex.cfg.consumer, item).await.unwrap();
+            let mut wave = ex.start_claimed(place, c.expect("claimed: nothing else is ready"));
+            if polled {
+                // Run as a webhook does: as far as its reply, which comes before the commit.
+                let reply = q.wait_reply(id, Duration::from_secs(10));
+                tokio::pin!(reply);
+                let reply = loop {
+                    tokio::select! {
+                        biased;
+                        _ = &mut wave => {}
+                        r = &mut reply => break r.unwrap(),
+                    }
+                };
+                assert_eq!(
+                    reply.expect("a reply").body["seen"],
+                    true,
+                    "the function ran"
+                );
+            }
+            drop(wave);
+            ids.push(id);
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        for id in ids {
+            loop {
+                let state = q.get(id).await.unwrap().expect("journaled").state;
+                if state.name() == "finished" {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the wave did not end: {state:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
     }
 
     #[test]

@@ -177,6 +177,8 @@ async fn accept(
     let msg = json!({ "payload": payload, "topic": path });
     let item = WorkItem::cascade(&hook.flow, &hook.node, format!("webhook:{path}"), vec![msg]);
     let id = item.id;
+    // A wave started here: run below, in this task, until its reply.
+    let mut wave = None;
     let added = match headers.get("idempotency-key").and_then(|v| v.to_str().ok()) {
         Some(key) => {
             let key = format!("{}:{}:{key}", hook.flow, hook.node);
@@ -191,9 +193,7 @@ async fn accept(
             // Journaled claimed, the wave starts here: its answer does not wait for the
             // executor to be handed the item and to start it.
             Some((ex, place)) => s.queue.add_claimed(&ex.cfg.consumer, item).await.map(|c| {
-                if let Some(c) = c {
-                    ex.start_claimed(place, c);
-                }
+                wave = c.map(|c| ex.start_claimed(place, c));
                 id
             }),
             None => s.queue.add(vec![item]).await.map(|_| id),
@@ -228,7 +228,26 @@ async fn accept(
     if !hook.spec.respond_wave {
         return (StatusCode::ACCEPTED, Json(json!({ "id": id.to_string() }))).into_response();
     }
-    match s.queue.wait_reply(id, hook.spec.timeout).await {
+    let reply = s.queue.wait_reply(id, hook.spec.timeout);
+    let reply = match wave.as_mut() {
+        None => reply.await,
+        // The wave runs in this task until its reply is posted, with no hand-off to another
+        // task and back; what is left of it (its commit) goes on as a task of its own when
+        // `wave` is dropped, as it is if the client hangs up first.
+        Some(w) => {
+            tokio::pin!(reply);
+            let mut ended = false;
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut *w, if !ended => ended = true,
+                    r = &mut reply => break r,
+                }
+            }
+        }
+    };
+    drop(wave);
+    match reply {
         Ok(Some(reply)) => {
             let mut r = match reply.body {
                 Value::String(s) => s.into_response(),
