@@ -299,6 +299,23 @@ pub struct Place {
 /// strands a wave. Shutdown waits for it like any other.
 pub struct StartedWave(Option<Pin<Box<dyn Future<Output = ()> + Send>>>);
 
+impl StartedWave {
+    /// Run the wave in the caller's task while waiting for `until` (its reply, say), and
+    /// give what `until` gives. The wave may end before; whatever is left of it after runs
+    /// on its own once this is dropped.
+    pub async fn run_until<T>(&mut self, until: impl Future<Output = T>) -> T {
+        tokio::pin!(until);
+        let mut ended = false;
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut *self, if !ended => ended = true,
+                got = &mut until => return got,
+            }
+        }
+    }
+}
+
 impl Future for StartedWave {
     type Output = ();
 
@@ -802,17 +819,9 @@ mod tests {
             let mut wave = ex.start_claimed(place, c.expect("claimed: nothing else is ready"));
             if polled {
                 // Run as a webhook does: as far as its reply, which comes before the commit.
-                let reply = q.wait_reply(id, Duration::from_secs(10));
-                tokio::pin!(reply);
-                let reply = loop {
-                    tokio::select! {
-                        biased;
-                        _ = &mut wave => {}
-                        r = &mut reply => break r.unwrap(),
-                    }
-                };
+                let reply = wave.run_until(q.wait_reply(id, Duration::from_secs(10)));
                 assert_eq!(
-                    reply.expect("a reply").body["seen"],
+                    reply.await.unwrap().expect("a reply").body["seen"],
                     true,
                     "the function ran"
                 );

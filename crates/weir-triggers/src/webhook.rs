@@ -234,17 +234,7 @@ async fn accept(
         // The wave runs in this task until its reply is posted, with no hand-off to another
         // task and back; what is left of it (its commit) goes on as a task of its own when
         // `wave` is dropped, as it is if the client hangs up first.
-        Some(w) => {
-            tokio::pin!(reply);
-            let mut ended = false;
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = &mut *w, if !ended => ended = true,
-                    r = &mut reply => break r,
-                }
-            }
-        }
+        Some(w) => w.run_until(reply).await,
     };
     drop(wave);
     match reply {
