@@ -323,7 +323,15 @@ impl Future for StartedWave {
         let Some(wave) = self.0.as_mut() else {
             return Poll::Ready(());
         };
-        let ended = wave.as_mut().poll(cx);
+        // A node that panics (a bug; in a node type an embedder added, say) fails its wave
+        // alone, as it would in a task of its own, not the request whose task runs it: the
+        // item stays in flight and comes back after the reclaim delay.
+        let polled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| wave.as_mut().poll(cx)));
+        let ended = polled.unwrap_or_else(|_| {
+            tracing::error!("a wave panicked; its item is redelivered after the reclaim delay");
+            Poll::Ready(())
+        });
         if ended.is_ready() {
             self.0 = None;
         }
@@ -843,6 +851,62 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
+    }
+
+    /// `type: boom`, a node that panics: a bug in a node type of an embedder's.
+    struct Boom;
+
+    #[async_trait::async_trait]
+    impl weir_nodes::Node for Boom {
+        async fn call(
+            &self,
+            _: weir_queue::Message,
+            _: &mut weir_nodes::NodeCx<'_>,
+        ) -> Result<weir_nodes::Emit, weir_nodes::NodeError> {
+            panic!("boom");
+        }
+    }
+
+    impl weir_nodes::NodeFactory for Boom {
+        fn kind(&self) -> &str {
+            "boom"
+        }
+
+        fn build(
+            &self,
+            _: &weir_flow::Yaml,
+        ) -> Result<weir_nodes::Built, Vec<weir_nodes::ConfigError>> {
+            Ok(weir_nodes::Built {
+                node: Arc::new(Boom),
+                ports: vec![],
+            })
+        }
+    }
+
+    /// A node that panics in a wave its caller runs fails that wave alone, as it would in a
+    /// task of its own: the caller (a webhook's request) goes on to its reply's timeout, the
+    /// wave's place is given back, and the item is left in flight for redelivery.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_that_panics_in_a_started_wave_fails_that_wave_alone() {
+        const BOOM: &str = "concurrency: 2\nnodes:\n  h: { type: webhook, path: b, respond: wave, to: [b] }\n  b: { type: boom }\n";
+        let mut lib = weir_nodes::Library::builtin();
+        lib.register(Boom);
+        let flow = lib.load_str("boom.yaml", BOOM).expect("flow loads");
+        let q = Arc::new(weir_queue::SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let flows = Arc::new(Flows::new(vec![flow]));
+        let ex = Executor::new(q.clone(), flows, ExecConfig::default(), Failpoints::new());
+        let place = ex.place_for("boom", "h").expect("a place");
+        let item = weir_queue::WorkItem::cascade("boom", "h", "t", vec![serde_json::json!({})]);
+        let id = item.id;
+        let c = q.add_claimed(&ex.cfg.consumer, item).await.unwrap();
+        let mut wave = ex.start_claimed(place, c.expect("claimed"));
+        let reply = wave.run_until(q.wait_reply(id, Duration::from_millis(300)));
+        assert!(reply.await.unwrap().is_none(), "no reply: the wave failed");
+        drop(wave);
+        let held = [ex.place_for("boom", "h"), ex.place_for("boom", "h")];
+        assert!(held.iter().all(Option::is_some), "the place was given back");
+        let state = q.get(id).await.unwrap().expect("journaled").state;
+        assert_eq!(state.name(), "in_flight", "left for redelivery");
     }
 
     #[test]
