@@ -762,7 +762,15 @@ mod tests {
     use super::*;
 
     fn executor(queue: Arc<dyn WorkQueue>, flows: &[(&str, &str)]) -> Arc<Executor> {
-        let lib = weir_nodes::Library::builtin();
+        executor_of(&weir_nodes::Library::builtin(), queue, flows)
+    }
+
+    /// An executor of `flows`, loaded with the node types of `lib`.
+    fn executor_of(
+        lib: &weir_nodes::Library,
+        queue: Arc<dyn WorkQueue>,
+        flows: &[(&str, &str)],
+    ) -> Arc<Executor> {
         let flows = flows
             .iter()
             .map(|(file, src)| lib.load_str(file, src).expect("flow loads"))
@@ -891,10 +899,8 @@ mod tests {
         const BOOM: &str = "concurrency: 2\nnodes:\n  h: { type: webhook, path: b, respond: wave, to: [b] }\n  b: { type: boom }\n";
         let mut lib = weir_nodes::Library::builtin();
         lib.register(Boom);
-        let flow = lib.load_str("boom.yaml", BOOM).expect("flow loads");
         let q = Arc::new(weir_queue::SqliteQueue::temporary(Failpoints::new()).unwrap());
-        let flows = Arc::new(Flows::new(vec![flow]));
-        let ex = Executor::new(q.clone(), flows, ExecConfig::default(), Failpoints::new());
+        let ex = executor_of(&lib, q.clone(), &[("boom.yaml", BOOM)]);
         let place = ex.place_for("boom", "h").expect("a place");
         let item = weir_queue::WorkItem::cascade("boom", "h", "t", vec![serde_json::json!({})]);
         let id = item.id;
