@@ -330,6 +330,16 @@ fn cargo_build() -> std::process::Command {
     c
 }
 
+/// An HTTP client for a test's calls to an engine that give up after 10 s: an engine that
+/// accepts a connection and never answers fails the test with the call's error, instead of
+/// holding it until CI's own limit.
+pub fn patient() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("an HTTP client")
+}
+
 /// The `weir` binary of these sources, brought up to date by cargo at the first call in a
 /// test process; `WEIR_BIN` names another one to use instead (to measure two builds in turn
 /// with a bench that runs one).
@@ -442,7 +452,11 @@ impl WeirProcess {
             // Ours once its process listens on the port: an engine that merely answers
             // there may be another test's.
             if weir_queue::testing::listens_on(p.child.id(), port)
-                && reqwest::get(format!("{}/healthz", p.base)).await.is_ok()
+                && patient()
+                    .get(format!("{}/healthz", p.base))
+                    .send()
+                    .await
+                    .is_ok()
             {
                 return Some(p);
             }
@@ -489,7 +503,9 @@ impl WeirProcess {
     }
 
     pub async fn stats(&self) -> Value {
-        reqwest::get(format!("{}/api/stats", self.base))
+        patient()
+            .get(format!("{}/api/stats", self.base))
+            .send()
             .await
             .expect("engine answers")
             .json()

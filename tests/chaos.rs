@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use weir_queue::testing::RedisServer;
-use weir_testkit::{until_subscribed, Mosquitto, MqttPeer, Sink, WeirProcess};
+use weir_testkit::{patient, until_subscribed, Mosquitto, MqttPeer, Sink, WeirProcess};
 
 fn flows(sink: &Sink) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -102,7 +102,7 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str, en
             let (acc, run) = (accepted.clone(), running.clone());
             let start = next_hook;
             tokio::spawn(async move {
-                let c = reqwest::Client::new();
+                let c = patient();
                 let mut n = start;
                 while run.load(Ordering::Relaxed) {
                     let base = &bases[n as usize % bases.len()];
@@ -140,7 +140,10 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str, en
         let victim = rng.next(engines as u64) as usize;
         es[victim].kill();
         running.store(false, Ordering::Relaxed);
-        next_hook = poster.await.unwrap();
+        next_hook = tokio::time::timeout(Duration::from_secs(30), poster)
+            .await
+            .expect("the webhook poster stops within 30 s")
+            .unwrap();
         // Now and then the broker, or Redis, goes down too.
         match rng.next(4) {
             0 => {
@@ -189,7 +192,9 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str, en
         }
         if Instant::now() > deadline {
             let stats = es[0].stats().await;
-            let items = reqwest::get(format!("{}/api/dead-letters?limit=3", es[0].base))
+            let items = patient()
+                .get(format!("{}/api/dead-letters?limit=3", es[0].base))
+                .send()
                 .await
                 .unwrap()
                 .text()
@@ -223,11 +228,17 @@ async fn chaos(queue: &str, mut redis: Option<&mut RedisServer>, label: &str, en
     for e in es {
         assert_eq!(e.stop(Duration::from_secs(15)).await, Some(0));
     }
-    let q = weir_queue::open(queue, weir_queue::Failpoints::new())
+    let opened = weir_queue::open(queue, weir_queue::Failpoints::new());
+    let q = tokio::time::timeout(Duration::from_secs(30), opened)
         .await
+        .unwrap_or_else(|_| panic!("[{label}] opening the queue took over 30 s"))
         .unwrap();
     for flow in ["hook", "mqtt"] {
-        let held = q.read_node(flow, "limit").await.unwrap();
+        let read = tokio::time::timeout(Duration::from_secs(30), q.read_node(flow, "limit"));
+        let held = read
+            .await
+            .unwrap_or_else(|_| panic!("[{label}] reading {flow}'s limit took over 30 s"))
+            .unwrap();
         assert!(
             held.is_empty(),
             "[{label}] {flow}: nothing held by the rate limit: {held:?}"
