@@ -349,7 +349,9 @@ pub fn weir_bin() -> std::path::PathBuf {
     static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     BIN.get_or_init(|| {
         if let Some(bin) = std::env::var_os("WEIR_BIN") {
-            return bin.into();
+            let bin = std::path::PathBuf::from(bin);
+            assert!(bin.is_file(), "WEIR_BIN={} is not a file", bin.display());
+            return bin;
         }
         let exe = std::env::current_exe().expect("test binary path");
         let dir = exe
@@ -448,15 +450,12 @@ impl WeirProcess {
             child,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
+        let http = patient();
         loop {
             // Ours once its process listens on the port: an engine that merely answers
             // there may be another test's.
             if weir_queue::testing::listens_on(p.child.id(), port)
-                && patient()
-                    .get(format!("{}/healthz", p.base))
-                    .send()
-                    .await
-                    .is_ok()
+                && http.get(format!("{}/healthz", p.base)).send().await.is_ok()
             {
                 return Some(p);
             }
