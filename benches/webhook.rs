@@ -3,7 +3,8 @@
 //!
 //! 1. echo, `respond: wave` (webhook → function → http-response), 16 connections: requests
 //!    per second and p99, beside a bare axum server doing the same JSON echo with no journal
-//!    (the HTTP stack and the load generator on these cores) and the fsync rate;
+//!    (the HTTP stack and the load generator on these cores), the fsync rate, and the least
+//!    durable echo: the bare server answering after a group-committed SQLite insert;
 //! 2. accepted (202) then run (webhook → function → log): events per second accepted, and the
 //!    time until every one of them has run;
 //! 3. memory: resident when idle with the example flows loaded, and the peak after the loads;
@@ -16,7 +17,8 @@
 //! comparison, both sides on fresh engines, alternating (`WEIR_BENCH_ROUNDS`, default 3), to
 //! look at that ratio on its own. `WEIR_BENCH_ONLY=alloc` compares the default build (on
 //! mimalloc) with `--no-default-features` (the C library's malloc) the same way (rate, CPU per
-//! event, idle memory).
+//! event, idle memory). `WEIR_BENCH_ONLY=echo` runs the echo against the least durable echo
+//! (below) in turn.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -100,6 +102,114 @@ async fn bare_echo(duration: Duration) -> LoadReport {
     let r = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     server.abort();
     r
+}
+
+/// What the bare durable echo did besides its load: the rows it wrote, the transactions they
+/// took, and its writer thread's CPU time.
+struct DurableEcho {
+    load: LoadReport,
+    rows: u64,
+    transactions: u64,
+    writer_cpu: Duration,
+}
+
+/// The least a durable echo can be, as a ceiling for weir's: the bare axum echo above, but
+/// each request's body is first inserted into an SQLite table (WAL, `synchronous=FULL`) by one
+/// writer thread that commits whatever arrived while its last transaction ran, and whatever
+/// arrives while the new one's inserts run (weir's group commit, with none of its work: no
+/// claim, no wave, no commit of the wave, no metrics). The answer waits for the fsync.
+async fn durable_echo(dir: &Path, duration: Duration) -> DurableEcho {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::sync::mpsc;
+    type Job = (Bytes, tokio::sync::oneshot::Sender<()>);
+    let (tx, rx) = mpsc::channel::<Job>();
+    let path = dir.join("durable-echo.db");
+    let db = path.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = stop.clone();
+    let writer = std::thread::spawn(move || {
+        let c = rusqlite::Connection::open(&db).expect("durable echo db");
+        c.execute_batch(
+            "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;
+             CREATE TABLE log (seq INTEGER PRIMARY KEY, body BLOB NOT NULL);",
+        )
+        .expect("durable echo schema");
+        let cpu = weir_testkit::ceilings::thread_cpu_time();
+        let mut transactions = 0u64;
+        let mut held: Vec<tokio::sync::oneshot::Sender<()>> = Vec::new();
+        loop {
+            let first = match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(job) => job,
+                Err(mpsc::RecvTimeoutError::Timeout) if !stopped.load(Relaxed) => continue,
+                Err(_) => break,
+            };
+            c.execute_batch("BEGIN IMMEDIATE").expect("begin");
+            let mut next = Some(first);
+            {
+                let mut add = c
+                    .prepare_cached("INSERT INTO log (body) VALUES (?1)")
+                    .expect("insert");
+                while let Some((body, answer)) = next.take() {
+                    add.execute([&body[..]]).expect("insert");
+                    held.push(answer);
+                    next = rx.try_recv().ok();
+                }
+            }
+            c.execute_batch("COMMIT").expect("commit");
+            transactions += 1;
+            for answer in held.drain(..) {
+                let _ = answer.send(());
+            }
+        }
+        let rows: i64 = c
+            .query_row("SELECT count(*) FROM log", [], |r| r.get(0))
+            .expect("count");
+        let rows = rows as u64;
+        (
+            rows,
+            transactions,
+            weir_testkit::ceilings::thread_cpu_time() - cpu,
+        )
+    });
+    let app = Router::new().route(
+        "/hooks/bench-echo",
+        post(move |body: Bytes| {
+            let tx = tx.clone();
+            async move {
+                let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+                    return Err(axum::http::StatusCode::BAD_REQUEST);
+                };
+                let (answer, durable) = tokio::sync::oneshot::channel();
+                tx.send((body, answer))
+                    .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
+                durable
+                    .await
+                    .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
+                Ok(Json(json!({ "echo": v, "ok": true })))
+            }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = l.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(l, app).await });
+    let load = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+    server.abort();
+    // Every answer has been had: the writer stops at its next idle moment (a connection's
+    // task may outlive the server's and hold a sender).
+    stop.store(true, Relaxed);
+    let (rows, transactions, writer_cpu) =
+        tokio::task::spawn_blocking(move || writer.join().expect("the durable echo's writer"))
+            .await
+            .unwrap();
+    for ext in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
+    }
+    DurableEcho {
+        load,
+        rows,
+        transactions,
+        writer_cpu,
+    }
 }
 
 /// The CPU time of the engine and of this process (the load generator), and the engine's
@@ -380,10 +490,42 @@ async fn compare((a_name, a): (&str, PathBuf), (b_name, b): (&str, PathBuf), dur
     );
 }
 
+/// The echo against the least durable echo, `WEIR_BENCH_ROUNDS` times in turn, weir on a
+/// fresh engine each round: the ratio alone, without the rest of the benches.
+async fn echo_only(duration: Duration) {
+    let tmp = tempfile::tempdir().unwrap();
+    let broker = Mosquitto::start();
+    let mut ratios = Vec::new();
+    for round in 0..rounds() {
+        let least = durable_echo(tmp.path(), duration).await;
+        let dir = tmp.path().join(format!("echo-{round}"));
+        flows_dir(&dir, &[("bench-echo.yaml".into(), ECHO.into())]);
+        let queue = format!("sqlite:{}/queue.db", dir.display());
+        let p = WeirProcess::start(&dir, &queue, &["--mqtt", &broker.url()]).await;
+        let a = addr(&p.base);
+        load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
+        let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+        p.stop(Duration::from_secs(10)).await;
+        println!(
+            "least durable echo: {}  {:.1} a transaction, writer {:.1} µs a request",
+            line(&least.load),
+            least.rows as f64 / least.transactions.max(1) as f64,
+            least.writer_cpu.as_secs_f64() * 1e6 / least.rows.max(1) as f64
+        );
+        println!("weir echo:          {}", line(&echo));
+        ratios.push(echo.rate() / least.load.rate());
+    }
+    println!(
+        "\nweir echo vs the least durable echo (alternating): {}",
+        median(ratios, "×")
+    );
+}
+
 async fn bench() {
     let duration = bench_secs();
     match std::env::var("WEIR_BENCH_ONLY").as_deref() {
         Ok("flows") => return flows_only(duration).await,
+        Ok("echo") => return echo_only(duration).await,
         Ok("alloc") => return alloc_only(duration).await,
         Ok("ab") => return ab_only(duration).await,
         _ => {}
@@ -444,6 +586,21 @@ async fn bench() {
         bare_rate: bare.rate(),
         fsyncs: fsync,
     };
+    let durable = durable_echo(tmp.path(), duration).await;
+    println!("bare durable echo:           {}", line(&durable.load));
+    assert!(
+        durable.rows >= durable.load.ok(),
+        "every answered durable echo was written: {} rows for {} answers",
+        durable.rows,
+        durable.load.ok()
+    );
+    let least = format!(
+        "  the least durable echo here (the bare echo, each request's body inserted into SQLite by one writer thread, group commit, synchronous=FULL, answered after the fsync): {:.0} req/s, p99 {:.2} ms, {:.1} requests a transaction, its writer {:.1} µs of CPU a request",
+        durable.load.rate(),
+        durable.load.percentile(0.99).as_secs_f64() * 1e3,
+        durable.rows as f64 / durable.transactions.max(1) as f64,
+        durable.writer_cpu.as_secs_f64() * 1e6 / durable.rows.max(1) as f64
+    );
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     let watch = Watch::start(&p).await;
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
@@ -458,14 +615,17 @@ async fn bench() {
     );
     assert_eq!(echo.ok(), echo.answered(), "every echo answered 200");
     summary.push(format!(
-        "webhook echo (respond: wave): {:.0} req/s, p99 {:.2} ms | bare HTTP echo {:.0} req/s, ratio {:.2} | targets ≥ 23,000 req/s, p99 ≤ 4 ms",
+        "webhook echo (respond: wave): {:.0} req/s, p99 {:.2} ms | bare HTTP echo {:.0} req/s, ratio {:.2}; least durable echo {:.0} req/s, ratio {:.2} | targets ≥ 23,000 req/s, p99 ≤ 4 ms",
         echo.rate(),
         echo.percentile(0.99).as_secs_f64() * 1e3,
         bare.rate(),
-        echo.rate() / bare.rate()
+        echo.rate() / bare.rate(),
+        durable.load.rate(),
+        echo.rate() / durable.load.rate()
     ));
     summary.push(echo_cpu);
     summary.push(floor.line(echo.rate()));
+    summary.push(least);
 
     // accepted (202), then run.
     let t0 = Instant::now();
@@ -483,13 +643,15 @@ async fn bench() {
     .await;
     assert_eq!(ended, acc.ok(), "every 202 was journaled and run once");
     summary.push(format!(
-        "webhook accepted (202) → function → log: {:.0} events/s accepted, all {} run {:.0} ms after the load ({:.0} events/s end to end) | bare HTTP {:.0} req/s, ratio {:.2} | target ≥ 30,000/s",
+        "webhook accepted (202) → function → log: {:.0} events/s accepted, all {} run {:.0} ms after the load ({:.0} events/s end to end) | bare HTTP {:.0} req/s, ratio {:.2}; least durable echo {:.0} req/s, ratio {:.2} | target ≥ 30,000/s",
         acc.rate(),
         acc.ok(),
         after.as_secs_f64() * 1e3,
         acc.ok() as f64 / all_run.as_secs_f64(),
         bare.rate(),
-        acc.rate() / bare.rate()
+        acc.rate() / bare.rate(),
+        durable.load.rate(),
+        acc.rate() / durable.load.rate()
     ));
     summary.push(acc_cpu);
     summary.push(floor.line(acc.rate()));
