@@ -104,45 +104,106 @@ async fn bare_echo(duration: Duration) -> LoadReport {
     r
 }
 
-/// What the bare durable echo did besides its load: the rows it wrote, the transactions they
-/// took, and its writer thread's CPU time.
+/// What the least durable echo did besides its load: the rows it wrote, the transactions they
+/// took, and the CPU time of its process and of its writer thread.
 struct DurableEcho {
     load: LoadReport,
     rows: u64,
     transactions: u64,
+    cpu: Duration,
     writer_cpu: Duration,
 }
+
+impl DurableEcho {
+    fn costs(&self) -> String {
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / self.load.ok().max(1) as f64;
+        format!(
+            "{:.1} requests a transaction, CPU a request {:.1} µs (its writer {:.1})",
+            self.rows as f64 / self.transactions.max(1) as f64,
+            per(self.cpu),
+            per(self.writer_cpu)
+        )
+    }
+}
+
+/// Set to a directory, this bench's binary serves the least durable echo there instead (see
+/// [`durable_echo`]).
+const LEAST_ECHO: &str = "WEIR_BENCH_LEAST_ECHO";
 
 /// The least a durable echo can be, as a ceiling for weir's: the bare axum echo above, but
 /// each request's body is first inserted into an SQLite table (WAL, `synchronous=FULL`) by one
 /// writer thread that commits whatever arrived while its last transaction ran, and whatever
 /// arrives while the new one's inserts run (weir's group commit, with none of its work: no
-/// claim, no wave, no commit of the wave, no metrics). The answer waits for the fsync.
+/// claim, no wave, no commit of the wave, no metrics). The answer waits for the fsync. It runs
+/// in a process of its own (this binary again), on a runtime like weir's, so that it shares
+/// the cores with the load generator as weir does.
 async fn durable_echo(dir: &Path, duration: Duration) -> DurableEcho {
-    use std::sync::atomic::Ordering::Relaxed;
-    use std::sync::mpsc;
+    use std::io::{BufRead, Write};
+    let mut server = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(LEAST_ECHO, dir)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the least durable echo starts");
+    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first)
+        .expect("the least durable echo's address");
+    let a: SocketAddr = first
+        .trim()
+        .parse()
+        .expect("the least durable echo's address");
+    load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
+    let mut stdin = server.stdin.take().unwrap();
+    writeln!(stdin, "load").unwrap();
+    let cpu = cpu_time(server.id());
+    let load = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+    let cpu = cpu_time(server.id()) - cpu;
+    writeln!(stdin, "end").unwrap();
+    drop(stdin);
+    let mut last = String::new();
+    out.read_line(&mut last)
+        .expect("the least durable echo's count");
+    let n: Vec<u64> = last
+        .split_whitespace()
+        .map(|w| w.parse().expect("a count"))
+        .collect();
+    assert!(
+        server.wait().unwrap().success(),
+        "the least durable echo failed"
+    );
+    DurableEcho {
+        load,
+        rows: n[0],
+        transactions: n[1],
+        cpu,
+        writer_cpu: Duration::from_nanos(n[2]),
+    }
+}
+
+/// The least durable echo's process: writes its address, serves, and writes what its writer
+/// did between the first line on its standard input and the second (`rows transactions
+/// writer-CPU-ns`), then ends.
+fn serve_least_echo(dir: &Path) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    use std::sync::{mpsc, Arc};
     type Job = (Bytes, tokio::sync::oneshot::Sender<()>);
     let (tx, rx) = mpsc::channel::<Job>();
-    let path = dir.join("durable-echo.db");
+    let path = dir.join("least-echo.db");
     let db = path.clone();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let stopped = stop.clone();
-    let writer = std::thread::spawn(move || {
-        let c = rusqlite::Connection::open(&db).expect("durable echo db");
+    // rows, transactions, writer CPU (ns): read when the load ends.
+    let counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let seen = counts.clone();
+    std::thread::spawn(move || {
+        let c = rusqlite::Connection::open(&db).expect("least echo db");
         c.execute_batch(
             "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;
              CREATE TABLE log (seq INTEGER PRIMARY KEY, body BLOB NOT NULL);",
         )
-        .expect("durable echo schema");
+        .expect("least echo schema");
         let cpu = weir_testkit::ceilings::thread_cpu_time();
-        let mut transactions = 0u64;
-        let mut held: Vec<tokio::sync::oneshot::Sender<()>> = Vec::new();
-        loop {
-            let first = match rx.recv_timeout(Duration::from_millis(50)) {
-                Ok(job) => job,
-                Err(mpsc::RecvTimeoutError::Timeout) if !stopped.load(Relaxed) => continue,
-                Err(_) => break,
-            };
+        let mut held = Vec::new();
+        while let Ok(first) = rx.recv() {
             c.execute_batch("BEGIN IMMEDIATE").expect("begin");
             let mut next = Some(first);
             {
@@ -156,59 +217,62 @@ async fn durable_echo(dir: &Path, duration: Duration) -> DurableEcho {
                 }
             }
             c.execute_batch("COMMIT").expect("commit");
-            transactions += 1;
+            seen[0].fetch_add(held.len() as u64, Relaxed);
+            seen[1].fetch_add(1, Relaxed);
+            let used = weir_testkit::ceilings::thread_cpu_time() - cpu;
+            seen[2].store(used.as_nanos() as u64, Relaxed);
             for answer in held.drain(..) {
                 let _ = answer.send(());
             }
         }
-        let rows: i64 = c
-            .query_row("SELECT count(*) FROM log", [], |r| r.get(0))
-            .expect("count");
-        let rows = rows as u64;
-        (
-            rows,
-            transactions,
-            weir_testkit::ceilings::thread_cpu_time() - cpu,
-        )
     });
-    let app = Router::new().route(
-        "/hooks/bench-echo",
-        post(move |body: Bytes| {
-            let tx = tx.clone();
-            async move {
-                let Ok(v) = serde_json::from_slice::<Value>(&body) else {
-                    return Err(axum::http::StatusCode::BAD_REQUEST);
-                };
-                let (answer, durable) = tokio::sync::oneshot::channel();
-                tx.send((body, answer))
-                    .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
-                durable
-                    .await
-                    .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
-                Ok(Json(json!({ "echo": v, "ok": true })))
-            }
-        }),
-    );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let a = l.local_addr().unwrap();
-    let server = tokio::spawn(async move { axum::serve(l, app).await });
-    let load = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
-    server.abort();
-    // Every answer has been had: the writer stops at its next idle moment (a connection's
-    // task may outlive the server's and hold a sender).
-    stop.store(true, Relaxed);
-    let (rows, transactions, writer_cpu) =
-        tokio::task::spawn_blocking(move || writer.join().expect("the durable echo's writer"))
-            .await
-            .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores().round().max(1.0) as usize)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let app = Router::new().route(
+            "/hooks/bench-echo",
+            post(move |body: Bytes| {
+                let tx = tx.clone();
+                async move {
+                    let Ok(v) = serde_json::from_slice::<Value>(&body) else {
+                        return Err(axum::http::StatusCode::BAD_REQUEST);
+                    };
+                    let (answer, durable) = tokio::sync::oneshot::channel();
+                    tx.send((body, answer))
+                        .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
+                    durable
+                        .await
+                        .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
+                    Ok(Json(json!({ "echo": v, "ok": true })))
+                }
+            }),
+        );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await });
+        // A line when the warm-up is over, another when the load is: what the writer did
+        // between them.
+        let lines = tokio::task::spawn_blocking(move || {
+            let read = || {
+                let mut line = String::new();
+                let _ = std::io::stdin().read_line(&mut line);
+                counts.iter().map(|c| c.load(Relaxed)).collect::<Vec<u64>>()
+            };
+            let (from, to) = (read(), read());
+            println!(
+                "{} {} {}",
+                to[0] - from[0],
+                to[1] - from[1],
+                to[2] - from[2]
+            );
+        });
+        let _ = lines.await;
+    });
     for ext in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{ext}", path.display()));
-    }
-    DurableEcho {
-        load,
-        rows,
-        transactions,
-        writer_cpu,
     }
 }
 
@@ -507,10 +571,9 @@ async fn echo_only(duration: Duration) {
         let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
         p.stop(Duration::from_secs(10)).await;
         println!(
-            "least durable echo: {}  {:.1} a transaction, writer {:.1} µs a request",
+            "least durable echo: {}\n  {}",
             line(&least.load),
-            least.rows as f64 / least.transactions.max(1) as f64,
-            least.writer_cpu.as_secs_f64() * 1e6 / least.rows.max(1) as f64
+            least.costs()
         );
         println!("weir echo:          {}", line(&echo));
         ratios.push(echo.rate() / least.load.rate());
@@ -595,11 +658,10 @@ async fn bench() {
         durable.load.ok()
     );
     let least = format!(
-        "  the least durable echo here (the bare echo, each request's body inserted into SQLite by one writer thread, group commit, synchronous=FULL, answered after the fsync): {:.0} req/s, p99 {:.2} ms, {:.1} requests a transaction, its writer {:.1} µs of CPU a request",
+        "  the least durable echo here (the bare echo, each request's body inserted into SQLite by one writer thread, group commit, synchronous=FULL, answered after the fsync; a process of its own): {:.0} req/s, p99 {:.2} ms; {}",
         durable.load.rate(),
         durable.load.percentile(0.99).as_secs_f64() * 1e3,
-        durable.rows as f64 / durable.transactions.max(1) as f64,
-        durable.writer_cpu.as_secs_f64() * 1e6 / durable.rows.max(1) as f64
+        durable.costs()
     );
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     let watch = Watch::start(&p).await;
@@ -699,6 +761,9 @@ async fn bench() {
 }
 
 fn main() {
+    if let Some(dir) = std::env::var_os(LEAST_ECHO) {
+        return serve_least_echo(Path::new(&dir));
+    }
     // `cargo bench` passes `--bench`; a filter argument is not used here.
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
