@@ -4,7 +4,9 @@
 //! 1. echo, `respond: wave` (webhook → function → http-response), 16 connections: requests
 //!    per second and p99, beside a bare axum server doing the same JSON echo with no journal
 //!    (the HTTP stack and the load generator on these cores), the fsync rate, and the least
-//!    durable echo: the bare server answering after a group-committed SQLite insert;
+//!    durable echo: the bare server answering after a group-committed SQLite insert, once
+//!    as that alone and once also writing each row again, finished with its outcome, after
+//!    the answer (the two writes weir's promises take, and nothing else);
 //! 2. accepted (202) then run (webhook → function → log): events per second accepted, and the
 //!    time until every one of them has run;
 //! 3. memory: resident when idle with the example flows loaded, and the peak after the loads;
@@ -17,8 +19,8 @@
 //! comparison, both sides on fresh engines, alternating (`WEIR_BENCH_ROUNDS`, default 3), to
 //! look at that ratio on its own. `WEIR_BENCH_ONLY=alloc` compares the default build (on
 //! mimalloc) with `--no-default-features` (the C library's malloc) the same way (rate, CPU per
-//! event, idle memory). `WEIR_BENCH_ONLY=echo` runs the echo against the least durable echo
-//! (below) in turn.
+//! event, idle memory). `WEIR_BENCH_ONLY=echo` runs the echo against the least durable echo,
+//! with and without its outcome written (below), in turn.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -130,6 +132,10 @@ impl DurableEcho {
 /// [`durable_echo`]).
 const LEAST_ECHO: &str = "WEIR_BENCH_LEAST_ECHO";
 
+/// Set as well, the least durable echo also writes each request's outcome (see
+/// [`serve_least_echo`]).
+const LEAST_ECHO_OUTCOME: &str = "WEIR_BENCH_LEAST_ECHO_OUTCOME";
+
 /// The least a durable echo can be, as a ceiling for weir's: the bare axum echo above, but
 /// each request's body is first inserted into an SQLite table (WAL, `synchronous=FULL`) by one
 /// writer thread that commits whatever arrived while its last transaction ran, and whatever
@@ -137,10 +143,17 @@ const LEAST_ECHO: &str = "WEIR_BENCH_LEAST_ECHO";
 /// claim, no wave, no commit of the wave, no metrics). The answer waits for the fsync. It runs
 /// in a process of its own (this binary again), on a runtime like weir's, so that it shares
 /// the cores with the load generator as weir does.
-async fn durable_echo(dir: &Path, duration: Duration) -> DurableEcho {
+///
+/// With `outcome`, each request's outcome is written too, after its answer (weir's second
+/// write: see [`serve_least_echo`]).
+async fn durable_echo(dir: &Path, duration: Duration, outcome: bool) -> DurableEcho {
     use std::io::{BufRead, Write};
-    let mut server = std::process::Command::new(std::env::current_exe().unwrap())
-        .env(LEAST_ECHO, dir)
+    let mut server = std::process::Command::new(std::env::current_exe().unwrap());
+    server.env(LEAST_ECHO, dir);
+    if outcome {
+        server.env(LEAST_ECHO_OUTCOME, "1");
+    }
+    let mut server = server
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -183,11 +196,20 @@ async fn durable_echo(dir: &Path, duration: Duration) -> DurableEcho {
 
 /// The least durable echo's process: writes its address, serves, and writes what its writer
 /// did between the first line on its standard input and the second (`rows transactions
-/// writer-CPU-ns`), then ends.
+/// writer-CPU-ns`), then ends. With `WEIR_BENCH_LEAST_ECHO_OUTCOME` set, each row is written
+/// in flight and, once the answer is on its way, written again as finished with its outcome:
+/// the two writes weir's promises take (journaled before anything runs; the item and its
+/// outcome kept), with nothing else.
 fn serve_least_echo(dir: &Path) {
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
     use std::sync::{mpsc, Arc};
-    type Job = (Bytes, tokio::sync::oneshot::Sender<()>);
+    enum Job {
+        /// A request's body: answered with its row once it is durable.
+        Add(Bytes, tokio::sync::oneshot::Sender<i64>),
+        /// A row whose answer went out: now finished.
+        Finish(i64),
+    }
+    let outcome = std::env::var_os(LEAST_ECHO_OUTCOME).is_some();
     let (tx, rx) = mpsc::channel::<Job>();
     let path = dir.join("least-echo.db");
     let db = path.clone();
@@ -198,7 +220,8 @@ fn serve_least_echo(dir: &Path) {
         let c = rusqlite::Connection::open(&db).expect("least echo db");
         c.execute_batch(
             "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;
-             CREATE TABLE log (seq INTEGER PRIMARY KEY, body BLOB NOT NULL);",
+             CREATE TABLE log (seq INTEGER PRIMARY KEY, st TEXT NOT NULL, outcome TEXT,
+                               at INTEGER, body BLOB NOT NULL);",
         )
         .expect("least echo schema");
         let cpu = weir_testkit::ceilings::thread_cpu_time();
@@ -208,11 +231,23 @@ fn serve_least_echo(dir: &Path) {
             let mut next = Some(first);
             {
                 let mut add = c
-                    .prepare_cached("INSERT INTO log (body) VALUES (?1)")
+                    .prepare_cached("INSERT INTO log (st, body) VALUES ('in_flight', ?1)")
                     .expect("insert");
-                while let Some((body, answer)) = next.take() {
-                    add.execute([&body[..]]).expect("insert");
-                    held.push(answer);
+                let mut finish = c
+                    .prepare_cached(
+                        "UPDATE log SET st = 'finished', outcome = 'done', at = ?2 WHERE seq = ?1",
+                    )
+                    .expect("update");
+                while let Some(job) = next.take() {
+                    match job {
+                        Job::Add(body, answer) => {
+                            add.execute([&body[..]]).expect("insert");
+                            held.push((c.last_insert_rowid(), answer));
+                        }
+                        Job::Finish(seq) => {
+                            finish.execute([seq, weir_queue::now_ms()]).expect("update");
+                        }
+                    }
                     next = rx.try_recv().ok();
                 }
             }
@@ -221,8 +256,8 @@ fn serve_least_echo(dir: &Path) {
             seen[1].fetch_add(1, Relaxed);
             let used = weir_testkit::ceilings::thread_cpu_time() - cpu;
             seen[2].store(used.as_nanos() as u64, Relaxed);
-            for answer in held.drain(..) {
-                let _ = answer.send(());
+            for (seq, answer) in held.drain(..) {
+                let _ = answer.send(seq);
             }
         }
     });
@@ -241,12 +276,17 @@ fn serve_least_echo(dir: &Path) {
                         return Err(axum::http::StatusCode::BAD_REQUEST);
                     };
                     let (answer, durable) = tokio::sync::oneshot::channel();
-                    tx.send((body, answer))
+                    tx.send(Job::Add(body, answer))
                         .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
-                    durable
+                    let seq = durable
                         .await
                         .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
-                    Ok(Json(json!({ "echo": v, "ok": true })))
+                    let answer = Json(json!({ "echo": v, "ok": true }));
+                    if outcome {
+                        // As weir commits a wave after its reply: nobody waits for it.
+                        let _ = tx.send(Job::Finish(seq));
+                    }
+                    Ok(answer)
                 }
             }),
         );
@@ -554,14 +594,16 @@ async fn compare((a_name, a): (&str, PathBuf), (b_name, b): (&str, PathBuf), dur
     );
 }
 
-/// The echo against the least durable echo, `WEIR_BENCH_ROUNDS` times in turn, weir on a
-/// fresh engine each round: the ratio alone, without the rest of the benches.
+/// The echo against the least durable echo, with and without its outcome written,
+/// `WEIR_BENCH_ROUNDS` times in turn, weir on a fresh engine each round: the ratios alone,
+/// without the rest of the benches.
 async fn echo_only(duration: Duration) {
     let tmp = tempfile::tempdir().unwrap();
     let broker = Mosquitto::start();
-    let mut ratios = Vec::new();
+    let (mut ratios, mut kept) = (Vec::new(), Vec::new());
     for round in 0..rounds() {
-        let least = durable_echo(tmp.path(), duration).await;
+        let least = durable_echo(tmp.path(), duration, false).await;
+        let keeping = durable_echo(tmp.path(), duration, true).await;
         let dir = tmp.path().join(format!("echo-{round}"));
         flows_dir(&dir, &[("bench-echo.yaml".into(), ECHO.into())]);
         let queue = format!("sqlite:{}/queue.db", dir.display());
@@ -575,12 +617,19 @@ async fn echo_only(duration: Duration) {
             line(&least.load),
             least.costs()
         );
+        println!(
+            "  with its outcome: {}\n  {}",
+            line(&keeping.load),
+            keeping.costs()
+        );
         println!("weir echo:          {}", line(&echo));
         ratios.push(echo.rate() / least.load.rate());
+        kept.push(echo.rate() / keeping.load.rate());
     }
     println!(
-        "\nweir echo vs the least durable echo (alternating): {}",
-        median(ratios, "×")
+        "\nweir echo vs the least durable echo (alternating): {}; vs the same with its outcome written: {}",
+        median(ratios, "×"),
+        median(kept, "×")
     );
 }
 
@@ -649,19 +698,29 @@ async fn bench() {
         bare_rate: bare.rate(),
         fsyncs: fsync,
     };
-    let durable = durable_echo(tmp.path(), duration).await;
+    let durable = durable_echo(tmp.path(), duration, false).await;
     println!("least durable echo:          {}", line(&durable.load));
-    assert!(
-        durable.rows >= durable.load.ok(),
-        "every answer of the least durable echo was written first: {} rows for {} answers",
-        durable.rows,
-        durable.load.ok()
-    );
+    let keeping = durable_echo(tmp.path(), duration, true).await;
+    println!("  with its outcome written:  {}", line(&keeping.load));
+    for (what, d) in [
+        ("least durable echo", &durable),
+        ("with its outcome", &keeping),
+    ] {
+        assert!(
+            d.rows >= d.load.ok(),
+            "every answer of the {what} was written first: {} rows for {} answers",
+            d.rows,
+            d.load.ok()
+        );
+    }
     let least = format!(
-        "  the least durable echo here (the bare echo, each request's body inserted into SQLite by one writer thread, group commit, synchronous=FULL, answered after the fsync; a process of its own): {:.0} req/s, p99 {:.2} ms; {}",
+        "  the least durable echo here (the bare echo, each request's body inserted into SQLite by one writer thread, group commit, synchronous=FULL, answered after the fsync; a process of its own): {:.0} req/s, p99 {:.2} ms; {}\n  the same, each request's row also written finished with its outcome after the answer (the two writes weir's promises take, nothing else): {:.0} req/s, p99 {:.2} ms; {}",
         durable.load.rate(),
         durable.load.percentile(0.99).as_secs_f64() * 1e3,
-        durable.costs()
+        durable.costs(),
+        keeping.load.rate(),
+        keeping.load.percentile(0.99).as_secs_f64() * 1e3,
+        keeping.costs()
     );
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     let watch = Watch::start(&p).await;
@@ -677,13 +736,15 @@ async fn bench() {
     );
     assert_eq!(echo.ok(), echo.answered(), "every echo answered 200");
     summary.push(format!(
-        "webhook echo (respond: wave): {:.0} req/s, p99 {:.2} ms | bare HTTP echo {:.0} req/s, ratio {:.2}; least durable echo {:.0} req/s, ratio {:.2} | targets ≥ 23,000 req/s, p99 ≤ 4 ms",
+        "webhook echo (respond: wave): {:.0} req/s, p99 {:.2} ms | bare HTTP echo {:.0} req/s, ratio {:.2}; least durable echo {:.0} req/s, ratio {:.2}; with its outcome written {:.0} req/s, ratio {:.2} | targets ≥ 23,000 req/s, p99 ≤ 4 ms",
         echo.rate(),
         echo.percentile(0.99).as_secs_f64() * 1e3,
         bare.rate(),
         echo.rate() / bare.rate(),
         durable.load.rate(),
-        echo.rate() / durable.load.rate()
+        echo.rate() / durable.load.rate(),
+        keeping.load.rate(),
+        echo.rate() / keeping.load.rate()
     ));
     summary.push(echo_cpu);
     summary.push(floor.line(echo.rate()));
