@@ -21,6 +21,7 @@
 //!   a newer weir is refused rather than misread.
 
 use std::any::Any;
+use std::borrow::Cow;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
@@ -166,15 +167,16 @@ fn unjson<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, QueueError> {
 /// delete) and every page it is on is written whole each time, so the row's size is paid
 /// four times per item: the whole item as JSON was 230 bytes for a one-field message, this
 /// is 50. Rows written before (the whole `WorkItem` as JSON, schema 2) read through the
-/// aliases; their extra fields are what the columns hold.
+/// aliases; their extra fields are what the columns hold. Written from a borrowed item (no
+/// copy of its messages to encode it), read into owned values.
 #[derive(serde::Serialize, serde::Deserialize)]
-struct Stored {
+struct Stored<'a> {
     #[serde(rename = "n", alias = "node")]
-    node: String,
+    node: Cow<'a, str>,
     #[serde(rename = "o", alias = "outputs")]
-    outputs: Vec<Vec<Message>>,
+    outputs: Cow<'a, [Vec<Message>]>,
     #[serde(rename = "c", alias = "cause")]
-    cause: String,
+    cause: Cow<'a, str>,
     #[serde(
         rename = "k",
         alias = "kind",
@@ -203,14 +205,14 @@ struct Stored {
         default,
         skip_serializing_if = "Option::is_none"
     )]
-    guard_key: Option<String>,
+    guard_key: Option<Cow<'a, str>>,
     #[serde(
         rename = "gv",
         alias = "guard_value",
         default,
         skip_serializing_if = "Option::is_none"
     )]
-    guard_value: Option<serde_json::Value>,
+    guard_value: Option<Cow<'a, serde_json::Value>>,
     #[serde(
         rename = "og",
         alias = "origin_id",
@@ -224,7 +226,7 @@ struct Stored {
         default,
         skip_serializing_if = "Option::is_none"
     )]
-    run_id: Option<String>,
+    run_id: Option<Cow<'a, str>>,
 }
 
 fn cascade() -> ItemKind {
@@ -257,18 +259,18 @@ fn decode(body: &str, cols: RowCols<'_>) -> Result<WorkItem, String> {
         id,
         kind: s.kind,
         flow: cols.flow,
-        node: s.node,
-        outputs: s.outputs,
-        cause: s.cause,
+        node: s.node.into_owned(),
+        outputs: s.outputs.into_owned(),
+        cause: s.cause.into_owned(),
         not_before: cols.due,
-        guard_key: s.guard_key,
-        guard_value: s.guard_value,
+        guard_key: s.guard_key.map(Cow::into_owned),
+        guard_value: s.guard_value.map(Cow::into_owned),
         deliveries: cols.deliveries,
         attempt: s.attempt,
         origin_id: s.origin_id,
         enqueued_at: cols.enqueued_at,
         first_enqueued_at: s.first_enqueued_at.unwrap_or(cols.enqueued_at),
-        run_id: s.run_id,
+        run_id: s.run_id.map(Cow::into_owned),
     })
 }
 
@@ -285,7 +287,7 @@ struct Encoded {
 }
 
 impl Encoded {
-    fn new(item: WorkItem, now: i64) -> Result<Encoded, QueueError> {
+    fn new(item: &WorkItem, now: i64) -> Result<Encoded, QueueError> {
         let WorkItem {
             version: _,
             id,
@@ -305,30 +307,30 @@ impl Encoded {
             run_id,
         } = item;
         let body = json(&Stored {
-            node,
-            outputs,
-            cause,
-            kind,
-            attempt,
-            first_enqueued_at: (first_enqueued_at != enqueued_at).then_some(first_enqueued_at),
-            guard_key,
-            guard_value,
-            origin_id,
-            run_id,
+            node: Cow::Borrowed(node),
+            outputs: Cow::Borrowed(outputs),
+            cause: Cow::Borrowed(cause),
+            kind: *kind,
+            attempt: *attempt,
+            first_enqueued_at: (first_enqueued_at != enqueued_at).then_some(*first_enqueued_at),
+            guard_key: guard_key.as_deref().map(Cow::Borrowed),
+            guard_value: guard_value.as_ref().map(Cow::Borrowed),
+            origin_id: *origin_id,
+            run_id: run_id.as_deref().map(Cow::Borrowed),
         })?;
         Ok(Encoded {
             id: id.to_string(),
-            flow,
+            flow: flow.clone(),
             due: not_before.filter(|&t| t > now),
-            deliveries,
-            enqueued_at,
+            deliveries: *deliveries,
+            enqueued_at: *enqueued_at,
             body,
         })
     }
 
-    fn all(items: Vec<WorkItem>) -> Result<Vec<Encoded>, QueueError> {
+    fn all(items: &[WorkItem]) -> Result<Vec<Encoded>, QueueError> {
         let now = now_ms();
-        items.into_iter().map(|i| Encoded::new(i, now)).collect()
+        items.iter().map(|i| Encoded::new(i, now)).collect()
     }
 }
 
@@ -1432,12 +1434,12 @@ struct NewRows {
 impl NewRows {
     /// Takes the wave's items out of `fx`.
     fn take(fx: &mut WaveEffects) -> Result<NewRows, QueueError> {
-        let mut items = Encoded::all(std::mem::take(&mut fx.follow_ups))?;
-        items.extend(Encoded::all(std::mem::take(&mut fx.delayed))?);
+        let mut items = Encoded::all(&std::mem::take(&mut fx.follow_ups))?;
+        items.extend(Encoded::all(&std::mem::take(&mut fx.delayed))?);
         let now = now_ms();
         let dead = std::mem::take(&mut fx.dead)
             .into_iter()
-            .map(|(item, why)| Ok((Encoded::new(item, now)?, why)))
+            .map(|(item, why)| Ok((Encoded::new(&item, now)?, why)))
             .collect::<Result<_, QueueError>>()?;
         Ok(NewRows { items, dead })
     }
@@ -1699,7 +1701,7 @@ impl WorkQueue for SqliteQueue {
 
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let max = self.max_ready;
-        let rows = Encoded::all(items)?;
+        let rows = Encoded::all(&items)?;
         self.write(move |c, w| {
             if w.ready + rows.len() as i64 > max {
                 return Err(QueueError::Full(w.ready.max(0) as usize));
@@ -1727,7 +1729,7 @@ impl WorkQueue for SqliteQueue {
         consumer: &str,
         item: WorkItem,
     ) -> Result<Option<Claimed>, QueueError> {
-        let row = Encoded::new(item.clone(), now_ms())?;
+        let row = Encoded::new(&item, now_ms())?;
         let (reply, rx) = oneshot::channel();
         let sent = std::time::Instant::now();
         self.jobs
@@ -1760,7 +1762,7 @@ impl WorkQueue for SqliteQueue {
         let key = key.to_string();
         let max = self.max_ready;
         let id = item.id;
-        let row = Encoded::new(item, now_ms())?;
+        let row = Encoded::new(&item, now_ms())?;
         self.write(move |c, w| {
             let first: Option<String> = c
                 .prepare_cached("SELECT id FROM idempotency WHERE key = ?1")?
@@ -1789,7 +1791,7 @@ impl WorkQueue for SqliteQueue {
         item: WorkItem,
     ) -> Result<bool, QueueError> {
         let key = key.clone();
-        let row = Encoded::new(item, now_ms())?;
+        let row = Encoded::new(&item, now_ms())?;
         self.write(move |c, w| {
             let last = read_state(c, &key)?.value.and_then(|v| v.as_i64());
             if last.is_some_and(|l| l >= tick) {
@@ -2190,7 +2192,7 @@ impl WorkQueue for SqliteQueue {
             let new_id = item.id;
             let now = now_ms();
             finish(c, w, id, &format!("replayed as {new_id}"), now)?;
-            insert(c, w, &Encoded::new(item, now)?)?;
+            insert(c, w, &Encoded::new(&item, now)?)?;
             Ok(new_id)
         })
         .await
@@ -2214,6 +2216,35 @@ mod tests {
 
     fn item(n: i64) -> WorkItem {
         WorkItem::cascade("f", "in", "t", vec![serde_json::json!({ "payload": n })])
+    }
+
+    /// The row's body is the file's format: the same bytes whoever writes it, and every
+    /// field an item can carry reads back as it was.
+    #[test]
+    fn a_body_is_written_in_the_journal_format_and_reads_back_whole() {
+        let plain = item(1);
+        let e = Encoded::new(&plain, plain.enqueued_at).unwrap();
+        assert_eq!(e.body, r#"{"n":"in","o":[[{"payload":1}]],"c":"t"}"#);
+        assert_eq!((e.flow.as_str(), e.due), ("f", None));
+        let mut full = item(2);
+        full.kind = ItemKind::Flush;
+        full.attempt = 3;
+        full.first_enqueued_at = full.enqueued_at - 5;
+        full.guard_key = Some("g".into());
+        full.guard_value = Some(serde_json::json!({ "v": 1 }));
+        full.origin_id = Some(Ulid::new());
+        full.run_id = Some("run-1".into());
+        full.not_before = Some(full.enqueued_at + 60_000);
+        full.deliveries = 2;
+        let e = Encoded::new(&full, full.enqueued_at).unwrap();
+        let cols = RowCols {
+            id: &e.id,
+            flow: e.flow.clone(),
+            deliveries: e.deliveries,
+            enqueued_at: e.enqueued_at,
+            due: e.due,
+        };
+        assert_eq!(decode(&e.body, cols).unwrap(), full);
     }
 
     /// An `add_claimed` whose caller goes away (a webhook's client hung up) leaves no item
@@ -2524,7 +2555,7 @@ mod tests {
         q.add(vec![later]).await.unwrap();
         let claim = waiting_claim(&q, "a", 5).await;
         // One transaction: the delayed item made ready, then a new item added.
-        let rows = Encoded::all(vec![second]).unwrap();
+        let rows = Encoded::all(&[second]).unwrap();
         q.write(move |c, w| {
             make_ready(c, w, "SELECT seq FROM items WHERE st = 'delayed'", [])?;
             insert_all(c, w, &rows)
@@ -2623,7 +2654,7 @@ mod tests {
             }
             c.pragma_update(None, "user_version", 3).unwrap();
             let w = |it: &WorkItem, seq: i64, st: &str| {
-                let e = Encoded::new(it.clone(), now_ms()).unwrap();
+                let e = Encoded::new(it, now_ms()).unwrap();
                 c.execute(
                     "INSERT INTO items (seq, id, flow, st, ord, deliveries, enqueued_at, body, reason)
                      VALUES (?1, ?2, ?3, ?4, ?1, 1, ?5, ?6, ?7)",
