@@ -602,16 +602,19 @@ async fn echo_only(duration: Duration) {
     let broker = Mosquitto::start();
     let (mut ratios, mut kept) = (Vec::new(), Vec::new());
     for round in 0..rounds() {
-        let least = durable_echo(tmp.path(), duration, false).await;
-        let keeping = durable_echo(tmp.path(), duration, true).await;
-        let dir = tmp.path().join(format!("echo-{round}"));
-        flows_dir(&dir, &[("bench-echo.yaml".into(), ECHO.into())]);
-        let queue = format!("sqlite:{}/queue.db", dir.display());
-        let p = WeirProcess::start(&dir, &queue, &["--mqtt", &broker.url()]).await;
-        let a = addr(&p.base);
-        load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
-        let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
-        p.stop(Duration::from_secs(10)).await;
+        // The three in a turning order, so that none always runs first or last.
+        let (mut least, mut keeping, mut echo) = (None, None, None);
+        for turn in 0..3 {
+            match (round + turn) % 3 {
+                0 => least = Some(durable_echo(tmp.path(), duration, false).await),
+                1 => keeping = Some(durable_echo(tmp.path(), duration, true).await),
+                _ => {
+                    let dir = tmp.path().join(format!("echo-{round}"));
+                    echo = Some(weir_echo(&dir, &broker, duration).await);
+                }
+            }
+        }
+        let (least, keeping, echo) = (least.unwrap(), keeping.unwrap(), echo.unwrap());
         println!(
             "least durable echo: {}\n  {}",
             line(&least.load),
@@ -631,6 +634,18 @@ async fn echo_only(duration: Duration) {
         median(ratios, "×"),
         median(kept, "×")
     );
+}
+
+/// weir's echo on a fresh engine in `dir`: a second of warm-up, then the load.
+async fn weir_echo(dir: &Path, broker: &Mosquitto, duration: Duration) -> LoadReport {
+    flows_dir(dir, &[("bench-echo.yaml".into(), ECHO.into())]);
+    let queue = format!("sqlite:{}/queue.db", dir.display());
+    let p = WeirProcess::start(dir, &queue, &["--mqtt", &broker.url()]).await;
+    let a = addr(&p.base);
+    load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
+    let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+    p.stop(Duration::from_secs(10)).await;
+    echo
 }
 
 async fn bench() {
