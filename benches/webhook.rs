@@ -30,7 +30,10 @@ use axum::routing::post;
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
-use weir_testkit::ceilings::{cores, cpu_time, fsync_probe, rss_kib, transactions, CpuUse, Writer};
+use weir_testkit::ceilings::{
+    cores, cpu_time, fsync_probe, per_transaction_written, rss_kib, transactions,
+    writer_bytes_written, CpuUse, Writer,
+};
 use weir_testkit::load::{self, accept_chain, accept_flow, bench_secs, LoadReport, LoadSpec};
 use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
 
@@ -116,16 +119,19 @@ struct DurableEcho {
     transactions: u64,
     cpu: Duration,
     writer_cpu: Duration,
+    /// Bytes its writer thread wrote (WAL frames, checkpoints).
+    written: u64,
 }
 
 impl DurableEcho {
     fn costs(&self) -> String {
         let per = |d: Duration| d.as_secs_f64() * 1e6 / self.load.ok().max(1) as f64;
         format!(
-            "{:.1} requests a transaction, CPU a request {:.1} µs (its writer {:.1})",
+            "{:.1} requests a transaction, CPU a request {:.1} µs (its writer {:.1}); {}",
             self.rows as f64 / self.transactions.max(1) as f64,
             per(self.cpu),
-            per(self.writer_cpu)
+            per(self.writer_cpu),
+            per_transaction_written(self.written, self.transactions)
         )
     }
 }
@@ -194,6 +200,7 @@ async fn durable_echo(dir: &Path, duration: Duration, outcome: bool) -> DurableE
         cpu,
         writer_cpu: Duration::from_nanos(n[2]),
         finished: n[3],
+        written: n[4],
     };
     assert!(
         echo.rows >= echo.load.ok(),
@@ -216,7 +223,7 @@ async fn durable_echo(dir: &Path, duration: Duration, outcome: bool) -> DurableE
 
 /// The least durable echo's process: writes its address, serves, and writes what its writer
 /// did between the first line on its standard input and the second (`rows transactions
-/// writer-CPU-ns finished-rows`), then ends. With `WEIR_BENCH_LEAST_ECHO_OUTCOME` set, each row is written
+/// writer-CPU-ns finished-rows writer-bytes`), then ends. With `WEIR_BENCH_LEAST_ECHO_OUTCOME` set, each row is written
 /// in flight and, once the answer is on its way, written again as finished with its outcome:
 /// the two writes weir's promises take (journaled before anything runs; the item and its
 /// outcome kept), with nothing else.
@@ -233,8 +240,10 @@ fn serve_least_echo(dir: &Path) {
     let (tx, rx) = mpsc::channel::<Job>();
     let path = dir.join("least-echo.db");
     let db = path.clone();
-    // rows, transactions, writer CPU (ns), rows finished: read when the load ends.
+    // rows, transactions, writer CPU (ns), rows finished, bytes the writer wrote: read when
+    // the load ends.
     let counts = Arc::new([
+        AtomicU64::new(0),
         AtomicU64::new(0),
         AtomicU64::new(0),
         AtomicU64::new(0),
@@ -250,6 +259,7 @@ fn serve_least_echo(dir: &Path) {
         )
         .expect("least echo schema");
         let cpu = weir_testkit::ceilings::thread_cpu_time();
+        let wrote = weir_testkit::ceilings::thread_bytes_written();
         let mut held = Vec::new();
         while let Ok(first) = rx.recv() {
             c.execute_batch("BEGIN IMMEDIATE").expect("begin");
@@ -284,6 +294,10 @@ fn serve_least_echo(dir: &Path) {
             seen[3].fetch_add(finished as u64, Relaxed);
             let used = weir_testkit::ceilings::thread_cpu_time() - cpu;
             seen[2].store(used.as_nanos() as u64, Relaxed);
+            seen[4].store(
+                weir_testkit::ceilings::thread_bytes_written() - wrote,
+                Relaxed,
+            );
             for (seq, answer) in held.drain(..) {
                 let _ = answer.send(seq);
             }
@@ -330,13 +344,12 @@ fn serve_least_echo(dir: &Path) {
                 counts.iter().map(|c| c.load(Relaxed)).collect::<Vec<u64>>()
             };
             let (from, to) = (read(), read());
-            println!(
-                "{} {} {} {}",
-                to[0] - from[0],
-                to[1] - from[1],
-                to[2] - from[2],
-                to[3] - from[3]
-            );
+            let counted: Vec<String> = to
+                .iter()
+                .zip(&from)
+                .map(|(t, f)| (t - f).to_string())
+                .collect();
+            println!("{}", counted.join(" "));
         });
         let _ = lines.await;
     });
@@ -654,7 +667,8 @@ async fn echo_only(duration: Duration) {
             line(&keeping.load),
             keeping.costs()
         );
-        println!("weir echo:          {}", line(&echo));
+        let (echo, writes) = echo;
+        println!("weir echo:          {}\n  {writes}", line(&echo));
         ratios.push(echo.rate() / least.load.rate());
         kept.push(echo.rate() / keeping.load.rate());
     }
@@ -665,16 +679,25 @@ async fn echo_only(duration: Duration) {
     );
 }
 
-/// weir's echo on a fresh engine in `dir`: a second of warm-up, then the load.
-async fn weir_echo(dir: &Path, broker: &Mosquitto, duration: Duration) -> LoadReport {
+/// weir's echo on a fresh engine in `dir`: a second of warm-up, then the load; with what
+/// its SQLite transactions carried and wrote.
+async fn weir_echo(dir: &Path, broker: &Mosquitto, duration: Duration) -> (LoadReport, String) {
     flows_dir(dir, &[("bench-echo.yaml".into(), ECHO.into())]);
     let queue = format!("sqlite:{}/queue.db", dir.display());
     let p = WeirProcess::start(dir, &queue, &["--mqtt", &broker.url()]).await;
     let a = addr(&p.base);
     load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
+    let (committed, wrote) = (transactions(&p.base).await, writer_bytes_written(p.pid()));
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+    let committed = transactions(&p.base).await - committed;
+    let wrote = writer_bytes_written(p.pid()) - wrote;
     p.stop(Duration::from_secs(10)).await;
-    echo
+    let writes = format!(
+        "{:.1} requests a transaction; {}",
+        echo.ok() as f64 / committed.max(1) as f64,
+        per_transaction_written(wrote, committed)
+    );
+    (echo, writes)
 }
 
 async fn bench() {

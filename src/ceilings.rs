@@ -142,6 +142,38 @@ pub fn bytes_written() -> u64 {
     io_count("/proc/self/io", "wchar:")
 }
 
+/// Bytes the calling thread has written through `write` and `pwrite` so far (`wchar` in
+/// /proc/thread-self/io): a SQLite writer thread's WAL frames and checkpoints.
+pub fn thread_bytes_written() -> u64 {
+    io_count("/proc/thread-self/io", "wchar:")
+}
+
+/// Bytes written through `write` and `pwrite` so far by the threads of process `pid` whose
+/// name starts with `name` (`wchar` of each one's /proc `io`).
+pub fn threads_bytes_written(pid: u32, name: &str) -> u64 {
+    threads(pid, name)
+        .iter()
+        .map(|t| io_count(&t.join("io").to_string_lossy(), "wchar:"))
+        .sum()
+}
+
+/// Bytes the SQLite writer thread of the weir process `pid` has written so far.
+pub fn writer_bytes_written(pid: u32) -> u64 {
+    threads_bytes_written(pid, WRITER_THREAD)
+}
+
+/// What a SQLite transaction wrote, `bytes` over `transactions`, in KiB and in WAL frames
+/// (a 4 KiB page and its 24-byte header each; checkpoints, which copy pages back into the
+/// database file now and then, are counted in too).
+pub fn per_transaction_written(bytes: u64, transactions: u64) -> String {
+    let each = bytes as f64 / transactions.max(1) as f64;
+    format!(
+        "{:.1} KiB written a transaction (about {:.1} pages)",
+        each / 1024.0,
+        each / (4096.0 + 24.0)
+    )
+}
+
 /// Resident memory of process `pid` now and at its peak (VmRSS, VmHWM), in KiB.
 pub fn rss_kib(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -718,6 +750,8 @@ pub struct Writer {
     /// Writes answered, and their time from request to durable answer, summed.
     writes: f64,
     waited: f64,
+    /// Bytes the writer thread has written (its WAL frames and checkpoints).
+    written: u64,
 }
 
 impl Writer {
@@ -731,6 +765,7 @@ impl Writer {
             in_commit: m("weir_sqlite_commit_seconds_sum").await,
             writes: m("weir_sqlite_wait_seconds_count").await,
             waited: m("weir_sqlite_wait_seconds_sum").await,
+            written: threads_bytes_written(pid, WRITER_THREAD),
         }
     }
 
@@ -758,12 +793,13 @@ impl Writer {
             _ => String::new(),
         };
         format!(
-            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included{for_a_core}); a transaction every {cycle:.0} µs, and a write (journaling, commit) waited {waited:.0} µs for its durable answer, {:.1} transactions' time",
+            "  the SQLite writer: busy about {:.0} % of the time (on the CPU {:.0} %, inside COMMIT {:.0} %, {:.0} µs a COMMIT, its fdatasync included{for_a_core}); a transaction every {cycle:.0} µs, and a write (journaling, commit) waited {waited:.0} µs for its durable answer, {:.1} transactions' time; {}",
             ((cpu + commit - fsyncs) * 100.0).clamp(0.0, 100.0),
             cpu * 100.0,
             commit * 100.0,
             commit * wall * 1e6 / committed.max(1) as f64,
-            waited / cycle
+            waited / cycle,
+            per_transaction_written(now.written.saturating_sub(self.written), committed)
         )
     }
 }
