@@ -140,9 +140,12 @@ const MAX_BATCH: usize = 1024;
 /// Batches between two prunes of old idempotency keys (and recounts of finished items).
 const PRUNE_EVERY: u64 = 512;
 /// Finished items past `FINISHED_KEPT` are deleted in the transactions that finish more,
-/// at most this many at a time (a few each time, never one long delete that stalls every
-/// caller behind it).
-const TRIM_CHUNK: i64 = 64;
+/// at most this many at a time (never one long delete that stalls every caller behind it).
+/// Each trim rewrites the pages at the old end of the table and of its indexes, whatever
+/// it deletes, so fewer, larger trims write less: at 256 (about 0.3 ms of SQL) an echo
+/// transaction wrote 0.3-0.6 pages fewer than at 64, for 1.06x the requests a second in
+/// seven alternating pairs, with the same p99; at 1,024 the p99 grew by a quarter.
+const TRIM_CHUNK: i64 = 256;
 
 const ITEM_COLS: &str =
     "body, deliveries, due, st, consumer, since, reason, at, id, flow, enqueued_at";
@@ -1095,9 +1098,9 @@ fn trim_finished(c: &Connection, w: &mut Writer) -> Result<(), QueueError> {
         "DELETE FROM items WHERE seq IN (
             SELECT seq FROM items WHERE st = 'finished' ORDER BY at LIMIT {TRIM_CHUNK})"
     ))?;
-    // At most four chunks a batch: a backlog (a file opened with many more) goes down
+    // At most two chunks a batch: a backlog (a file opened with many more) goes down
     // over the next batches.
-    for _ in 0..4 {
+    for _ in 0..2 {
         if w.finished <= FINISHED_KEPT {
             break;
         }
