@@ -34,7 +34,8 @@ macro_rules! conformance_tests {
             replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work,
             recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago,
             items_come_back_as_they_were_added, an_item_added_again_is_journaled_once,
-            an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it
+            an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it,
+            items_claimed_every_way_are_taken_back_from_a_stalled_engine
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -146,6 +147,50 @@ pub async fn an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_bef
     }
     // Nothing ready again: claimed again.
     assert!(q.add_claimed("web", item("f", 4)).await.unwrap().is_some());
+}
+
+/// An item in flight is taken back from an engine that stalled however it was claimed: by
+/// a claim, journaled claimed (`add_claimed`), or handed to a claim that was waiting for
+/// work. None is taken back before its time.
+pub async fn items_claimed_every_way_are_taken_back_from_a_stalled_engine(q: Q, _fp: Failpoints) {
+    let mut ids = Vec::new();
+    // Journaled claimed where the backend can (ready otherwise: claimed below).
+    let first = item("f", 1);
+    ids.push(first.id);
+    let journaled = q.add_claimed("stalled", first).await.unwrap();
+    // Taken by a claim.
+    let second = item("f", 2);
+    ids.push(second.id);
+    q.add(vec![second]).await.unwrap();
+    let mut claimed = q.claim("stalled", 10, Duration::ZERO).await.unwrap();
+    // Handed to a claim that waited for it.
+    let waiting = {
+        let q = q.clone();
+        tokio::spawn(async move { q.claim("stalled", 1, Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let third = item("f", 3);
+    ids.push(third.id);
+    q.add(vec![third]).await.unwrap();
+    claimed.extend(waiting.await.unwrap().unwrap());
+    claimed.extend(journaled);
+    let mut got: Vec<_> = claimed.iter().map(|c| c.item.id).collect();
+    got.sort();
+    ids.sort();
+    assert_eq!(got, ids, "all three in flight for the stalled engine");
+    assert_eq!(q.reclaim_stale(Duration::from_secs(3600)).await.unwrap(), 0);
+    assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 3);
+    let again = q.claim("other", 10, Duration::ZERO).await.unwrap();
+    let mut back: Vec<_> = again.iter().map(|c| c.item.id).collect();
+    back.sort();
+    assert_eq!(back, ids, "every one of them back, for another engine");
+    for c in &claimed {
+        assert_eq!(
+            q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap(),
+            Committed::Conflict,
+            "the stalled engine's late commit is refused"
+        );
+    }
 }
 
 pub async fn claims_in_journal_order(q: Q, _fp: Failpoints) {
