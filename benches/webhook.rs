@@ -177,6 +177,10 @@ async fn durable_echo(dir: &Path, duration: Duration, outcome: bool) -> DurableE
     load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     let mut stdin = server.stdin.take().unwrap();
     writeln!(stdin, "load").unwrap();
+    let mut counting = String::new();
+    out.read_line(&mut counting)
+        .expect("the least durable echo counts from now");
+    assert_eq!(counting.trim(), "counting");
     let cpu = cpu_time(server.id());
     let load = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     let cpu = cpu_time(server.id()) - cpu;
@@ -343,7 +347,11 @@ fn serve_least_echo(dir: &Path) {
                 let _ = std::io::stdin().read_line(&mut line);
                 counts.iter().map(|c| c.load(Relaxed)).collect::<Vec<u64>>()
             };
-            let (from, to) = (read(), read());
+            let from = read();
+            // Counted from here: the load starts only once this line is out, so that none of
+            // its rows are counted before it.
+            println!("counting");
+            let to = read();
             let counted: Vec<String> = to
                 .iter()
                 .zip(&from)
