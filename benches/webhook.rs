@@ -31,7 +31,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use weir_testkit::ceilings::{
-    cores, cpu_time, fsync_probe, per_transaction_written, rss_kib, transactions,
+    cores, cpu_time, fsync_probe, per_transaction_written, rss_kib, transactions, wal_pages,
     writer_bytes_written, CpuUse, Writer,
 };
 use weir_testkit::load::{self, accept_chain, accept_flow, bench_secs, LoadReport, LoadSpec};
@@ -699,12 +699,16 @@ async fn weir_echo(dir: &Path, broker: &Mosquitto, duration: Duration) -> (LoadR
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     let committed = transactions(&p.base).await - committed;
     let wrote = writer_bytes_written(p.pid()) - wrote;
+    let pages = wal_pages(&dir.join("queue.db"));
     p.stop(Duration::from_secs(10)).await;
-    let writes = format!(
+    let mut writes = format!(
         "{:.1} requests a transaction; {}",
         echo.ok() as f64 / committed.max(1) as f64,
         per_transaction_written(wrote, committed)
     );
+    if let Some(pages) = pages {
+        writes.push_str(&format!("\n  the WAL after the load: {pages}"));
+    }
     (echo, writes)
 }
 
@@ -789,6 +793,8 @@ async fn bench() {
     let warm = load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     let watch = Watch::start(&p).await;
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
+    // Read while the engine runs: a clean stop checkpoints the log away.
+    let pages = wal_pages(&tmp.path().join("queue.db"));
     println!("weir echo, respond: wave:    {}", line(&echo));
     drained(&p, Duration::from_secs(60)).await;
     let echo_cpu = watch.report(&p, echo.ok(), probe.cpu_each, 23_000.0).await;
@@ -811,6 +817,9 @@ async fn bench() {
         echo.rate() / keeping.load.rate()
     ));
     summary.push(echo_cpu);
+    if let Some(pages) = pages {
+        summary.push(format!("  the WAL after the load: {pages}"));
+    }
     summary.push(floor.line(echo.rate()));
     summary.push(least);
 
