@@ -215,7 +215,7 @@ pub fn wal_pages(db: &Path) -> Option<WalPages> {
     let read = |n: u32| -> Option<&[u8]> {
         match newest.get(&n) {
             Some(&at) => wal.get(at..at + page),
-            None => file.get((n as usize - 1) * page..n as usize * page),
+            None => file.get((n as usize).checked_sub(1)? * page..n as usize * page),
         }
     };
     // The b-trees by their roots (page 1 is the schema's), each walked down its interior
@@ -240,13 +240,16 @@ pub fn wal_pages(db: &Path) -> Option<WalPages> {
             if owner.insert(n, name.clone()).is_some() {
                 continue;
             }
+            // The log is read as it is being written: a page that does not parse is left
+            // unwalked rather than read out of bounds.
             let h = if n == 1 { 100 } else { 0 };
-            if matches!(p[h], 0x05 | 0x02) {
-                let cells = u16::from_be_bytes([p[h + 3], p[h + 4]]) as usize;
-                todo.push(word(p, h + 8));
+            let short = |at: usize| p.get(at..at + 2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+            let long = |at: usize| p.get(at..at + 4).map(|b| word(b, 0));
+            if matches!(p.get(h), Some(0x05 | 0x02)) {
+                let cells = short(h + 3).unwrap_or(0) as usize;
+                todo.extend(long(h + 8));
                 for i in 0..cells {
-                    let at = u16::from_be_bytes([p[h + 12 + 2 * i], p[h + 13 + 2 * i]]) as usize;
-                    todo.push(word(p, at));
+                    todo.extend(short(h + 12 + 2 * i).and_then(|at| long(at as usize)));
                 }
             }
         }
