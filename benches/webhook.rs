@@ -225,10 +225,11 @@ async fn durable_echo(dir: &Path, duration: Duration, outcome: bool) -> DurableE
     echo
 }
 
-/// The least durable echo's process: writes its address, serves, and writes what its writer
-/// did between the first line on its standard input and the second (`rows transactions
-/// writer-CPU-ns finished-rows writer-bytes`), then ends. With `WEIR_BENCH_LEAST_ECHO_OUTCOME` set, each row is written
-/// in flight and, once the answer is on its way, written again as finished with its outcome:
+/// The least durable echo's process: writes its address, serves, answers `counting` to the
+/// first line on its standard input, and writes what its writer did between that line and
+/// the second (`rows transactions writer-CPU-ns finished-rows writer-bytes`), then ends. With
+/// `WEIR_BENCH_LEAST_ECHO_OUTCOME` set, each row is written in flight and, once the answer
+/// is on its way, written again as finished with its outcome:
 /// the two writes weir's promises take (journaled before anything runs; the item and its
 /// outcome kept), with nothing else.
 fn serve_least_echo(dir: &Path) {

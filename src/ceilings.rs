@@ -150,7 +150,7 @@ pub fn thread_bytes_written() -> u64 {
 
 /// Bytes written through `write` and `pwrite` so far by the threads of process `pid` whose
 /// name starts with `name` (`wchar` of each one's /proc `io`).
-pub fn threads_bytes_written(pid: u32, name: &str) -> u64 {
+fn threads_bytes_written(pid: u32, name: &str) -> u64 {
     threads(pid, name)
         .iter()
         .map(|t| io_count(&t.join("io").to_string_lossy(), "wchar:"))
@@ -889,7 +889,7 @@ impl Writer {
             in_commit: m("weir_sqlite_commit_seconds_sum").await,
             writes: m("weir_sqlite_wait_seconds_count").await,
             waited: m("weir_sqlite_wait_seconds_sum").await,
-            written: threads_bytes_written(pid, WRITER_THREAD),
+            written: writer_bytes_written(pid),
         }
     }
 

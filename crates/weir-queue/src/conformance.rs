@@ -151,7 +151,10 @@ pub async fn an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_bef
 
 /// An item in flight is taken back from an engine that stalled however it was claimed: by
 /// a claim, journaled claimed (`add_claimed`), or handed to a claim that was waiting for
-/// work. None is taken back before its time.
+/// work. None is taken back before its time. (The waiting claim is given 50 ms to wait
+/// first; a backend that has not registered it by then hands it the item as a plain claim,
+/// and the case still holds. The SQLite backend's own test
+/// `an_item_handed_to_a_waiting_claim_is_taken_back_from_a_stalled_engine` waits for it.)
 pub async fn items_claimed_every_way_are_taken_back_from_a_stalled_engine(q: Q, _fp: Failpoints) {
     let mut ids = Vec::new();
     // Journaled claimed where the backend can (ready otherwise: claimed below).

@@ -2501,6 +2501,31 @@ mod tests {
         claim
     }
 
+    /// An item journaled claimed for a claim that was waiting in the writer (the row written
+    /// in flight as it is inserted) is where a stalled engine's items are taken back from.
+    #[tokio::test]
+    async fn an_item_handed_to_a_waiting_claim_is_taken_back_from_a_stalled_engine() {
+        let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let claim = waiting_claim(&q, "stalled", 1).await;
+        let it = item(1);
+        let id = it.id;
+        q.add(vec![it]).await.unwrap();
+        let got = claim.await.unwrap().unwrap();
+        assert_eq!(ids(&got), vec![id]);
+        assert_eq!(q.reclaim_stale(Duration::from_secs(3600)).await.unwrap(), 0);
+        assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 1);
+        let again = q.claim("other", 10, Duration::ZERO).await.unwrap();
+        assert_eq!(ids(&again), vec![id]);
+        assert_eq!(again[0].item.deliveries, 2);
+        assert_eq!(
+            q.commit(&got[0], WaveEffects::ending(End::Ack))
+                .await
+                .unwrap(),
+            Committed::Conflict,
+            "the stalled engine's late commit is refused"
+        );
+    }
+
     fn ids(got: &[Claimed]) -> Vec<Ulid> {
         got.iter().map(|c| c.item.id).collect()
     }
