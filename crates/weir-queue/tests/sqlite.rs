@@ -207,6 +207,11 @@ async fn a_poison_row_is_dead_lettered_alone_and_the_rest_flow() {
         .map(|c| c.item.outputs[0][0]["payload"].as_i64().unwrap())
         .collect();
     assert_eq!(ns, vec![1, 2], "the items around the poison are handed out");
+    assert_eq!(
+        q.stats().await.unwrap().in_flight,
+        2,
+        "the poison is not counted in flight"
+    );
     let dead = q.dead_letters(10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].item.id, poison);
