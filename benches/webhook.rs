@@ -31,8 +31,8 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use weir_testkit::ceilings::{
-    cores, cpu_time, fsync_probe, per_transaction_written, rss_kib, transactions, wal_pages,
-    writer_bytes_written, CpuUse, Writer,
+    cores, cpu_time, fsync_probe, per_transaction_written, round_trip, rss_kib, transactions,
+    wal_pages, writer_bytes_written, CpuUse, Writer,
 };
 use weir_testkit::load::{self, accept_chain, accept_flow, bench_secs, LoadReport, LoadSpec};
 use weir_testkit::{metric_sum, weir_bin, weir_bin_with, Mosquitto, WeirProcess};
@@ -121,17 +121,24 @@ struct DurableEcho {
     writer_cpu: Duration,
     /// Bytes its writer thread wrote (WAL frames, checkpoints).
     written: u64,
+    /// The requests' waits for their rows to be durable, summed.
+    waited: Duration,
 }
 
 impl DurableEcho {
     fn costs(&self) -> String {
         let per = |d: Duration| d.as_secs_f64() * 1e6 / self.load.ok().max(1) as f64;
         format!(
-            "{:.1} requests a transaction, CPU a request {:.1} µs (its writer {:.1}); {}",
+            "{:.1} requests a transaction, CPU a request {:.1} µs (its writer {:.1}); {}; {}",
             self.rows as f64 / self.transactions.max(1) as f64,
             per(self.cpu),
             per(self.writer_cpu),
-            per_transaction_written(self.written, self.transactions)
+            per_transaction_written(self.written, self.transactions),
+            round_trip(
+                CONNECTIONS,
+                self.load.rate(),
+                self.waited / self.rows.max(1) as u32
+            )
         )
     }
 }
@@ -205,6 +212,7 @@ async fn durable_echo(dir: &Path, duration: Duration, outcome: bool) -> DurableE
         writer_cpu: Duration::from_nanos(n[2]),
         finished: n[3],
         written: n[4],
+        waited: Duration::from_nanos(n[5]),
     };
     assert!(
         echo.rows >= echo.load.ok(),
@@ -226,8 +234,8 @@ async fn durable_echo(dir: &Path, duration: Duration, outcome: bool) -> DurableE
 }
 
 /// The least durable echo's process: writes its address, serves, answers `counting` to the
-/// first line on its standard input, and writes what its writer did between that line and
-/// the second (`rows transactions writer-CPU-ns finished-rows writer-bytes`), then ends. With
+/// first line on its standard input, and writes what it did between that line and the second
+/// (`rows transactions writer-CPU-ns finished-rows writer-bytes waited-ns`), then ends. With
 /// `WEIR_BENCH_LEAST_ECHO_OUTCOME` set, each row is written in flight and, once the answer
 /// is on its way, written again as finished with its outcome:
 /// the two writes weir's promises take (journaled before anything runs; the item and its
@@ -245,9 +253,11 @@ fn serve_least_echo(dir: &Path) {
     let (tx, rx) = mpsc::channel::<Job>();
     let path = dir.join("least-echo.db");
     let db = path.clone();
-    // rows, transactions, writer CPU (ns), rows finished, bytes the writer wrote: read when
-    // the load ends.
+    // rows, transactions, writer CPU (ns), rows finished, bytes the writer wrote, and the
+    // time the requests waited for their rows to be durable (ns, summed): read when the
+    // load ends.
     let counts = Arc::new([
+        AtomicU64::new(0),
         AtomicU64::new(0),
         AtomicU64::new(0),
         AtomicU64::new(0),
@@ -255,6 +265,7 @@ fn serve_least_echo(dir: &Path) {
         AtomicU64::new(0),
     ]);
     let seen = counts.clone();
+    let waits = counts.clone();
     std::thread::spawn(move || {
         let c = rusqlite::Connection::open(&db).expect("least echo db");
         c.execute_batch(
@@ -318,16 +329,19 @@ fn serve_least_echo(dir: &Path) {
             "/hooks/bench-echo",
             post(move |body: Bytes| {
                 let tx = tx.clone();
+                let waits = waits.clone();
                 async move {
                     let Ok(v) = serde_json::from_slice::<Value>(&body) else {
                         return Err(axum::http::StatusCode::BAD_REQUEST);
                     };
                     let (answer, durable) = tokio::sync::oneshot::channel();
+                    let sent = Instant::now();
                     tx.send(Job::Add(body, answer))
                         .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
                     let seq = durable
                         .await
                         .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
+                    waits[5].fetch_add(sent.elapsed().as_nanos() as u64, Relaxed);
                     let answer = Json(json!({ "echo": v, "ok": true }));
                     if outcome {
                         // As weir commits a wave after its reply: nobody waits for it.
@@ -414,19 +428,28 @@ impl Watch {
     /// make at that cost, and the CPU a request that `target` a second would leave the
     /// engine. An engine under its share that still misses the target is held by latency
     /// (each connection waits on its request), not by the cores. `fsync` is what one
-    /// fdatasync costs the CPU (the probe's), shared by the requests of a transaction.
-    async fn report(self, p: &WeirProcess, n: u64, fsync: Duration, target: f64) -> String {
+    /// fdatasync costs the CPU (the probe's), shared by the requests of a transaction. And
+    /// where a request's round trip went at the load's `rate`: waiting for the writer, or
+    /// outside it.
+    async fn report(
+        self,
+        p: &WeirProcess,
+        n: u64,
+        rate: f64,
+        fsync: Duration,
+        target: f64,
+    ) -> String {
         let used = self.cpu.since(&self.pids);
         let committed = transactions(&p.base).await - self.transactions;
-        let writer = self
-            .writer
-            .since(&Writer::now(&p.base, p.pid()).await, committed, fsync);
+        let now = Writer::now(&p.base, p.pid()).await;
+        let trip = round_trip(CONNECTIONS, rate, self.writer.waited(&now));
+        let writer = self.writer.since(&now, committed, fsync);
         let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
         let (engine, load) = (per(used.of[0]), per(used.of[1]));
         let per_tx = n as f64 / committed.max(1) as f64;
         let cores = cores();
         format!(
-            "  CPU a request: engine {engine:.1} µs (of it ~{:.1} µs in fdatasyncs: {per_tx:.1} requests a transaction), load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs\n{writer}",
+            "  CPU a request: engine {engine:.1} µs (of it ~{:.1} µs in fdatasyncs: {per_tx:.1} requests a transaction), load generator {load:.1} µs ({:.2} of {cores:.0} cores busy); the cores allow at most {:.0}/s at that cost, and {target:.0}/s leaves the engine {:.1} µs\n{writer}\n  weir: {trip}",
             fsync.as_secs_f64() * 1e6 / per_tx,
             used.cores_busy(),
             cores * 1e6 / (engine + load).max(0.001),
@@ -697,15 +720,18 @@ async fn weir_echo(dir: &Path, broker: &Mosquitto, duration: Duration) -> (LoadR
     let a = addr(&p.base);
     load::run(spec(a, "/hooks/bench-echo", 1, Duration::from_secs(1))).await;
     let (committed, wrote) = (transactions(&p.base).await, writer_bytes_written(p.pid()));
+    let writer = Writer::now(&p.base, p.pid()).await;
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     let committed = transactions(&p.base).await - committed;
     let wrote = writer_bytes_written(p.pid()) - wrote;
+    let waited = writer.waited(&Writer::now(&p.base, p.pid()).await);
     let pages = wal_pages(&dir.join("queue.db"));
     p.stop(Duration::from_secs(10)).await;
     let mut writes = format!(
-        "{:.1} requests a transaction; {}",
+        "{:.1} requests a transaction; {}; {}",
         echo.ok() as f64 / committed.max(1) as f64,
-        per_transaction_written(wrote, committed)
+        per_transaction_written(wrote, committed),
+        round_trip(CONNECTIONS, echo.rate(), waited)
     );
     if let Some(pages) = pages {
         writes.push_str(&format!("\n  the WAL after the load: {pages}"));
@@ -798,7 +824,9 @@ async fn bench() {
     let pages = wal_pages(&tmp.path().join("queue.db"));
     println!("weir echo, respond: wave:    {}", line(&echo));
     drained(&p, Duration::from_secs(60)).await;
-    let echo_cpu = watch.report(&p, echo.ok(), probe.cpu_each, 23_000.0).await;
+    let echo_cpu = watch
+        .report(&p, echo.ok(), echo.rate(), probe.cpu_each, 23_000.0)
+        .await;
     let ended = metric_sum(&p.base, "weir_items_ended_total", &["flow=\"bench-echo\""]).await;
     assert_eq!(
         ended,
@@ -830,7 +858,9 @@ async fn bench() {
     let acc = load::run(spec(a, "/hooks/bench-accept", 1, duration)).await;
     println!("weir accepted (202):         {}", line(&acc));
     let after = drained(&p, Duration::from_secs(120)).await;
-    let acc_cpu = watch.report(&p, acc.ok(), probe.cpu_each, 30_000.0).await;
+    let acc_cpu = watch
+        .report(&p, acc.ok(), acc.rate(), probe.cpu_each, 30_000.0)
+        .await;
     let all_run = t0.elapsed();
     let ended = metric_sum(
         &p.base,

@@ -901,11 +901,11 @@ impl Writer {
     /// for work by design.
     pub fn since(self, now: &Writer, committed: u64, fsync_cpu: Duration) -> String {
         let wall = (now.at - self.at).as_secs_f64();
+        let waited = self.waited(now).as_secs_f64() * 1e6;
         let cpu = (now.cpu - self.cpu).as_secs_f64() / wall;
         let commit = (now.in_commit - self.in_commit) / wall;
         let fsyncs = committed as f64 * fsync_cpu.as_secs_f64() / wall;
         let cycle = wall * 1e6 / committed.max(1) as f64;
-        let waited = (now.waited - self.waited) * 1e6 / (now.writes - self.writes).max(1.0);
         // Time the writer was ready but the cores were taken: it lengthens its COMMITs (an
         // fsync's end is noticed only once the thread runs again) and its SQL alike.
         let for_a_core = match (self.runqueue, now.runqueue) {
@@ -926,6 +926,26 @@ impl Writer {
             per_transaction_written(now.written.saturating_sub(self.written), committed)
         )
     }
+
+    /// How long a write (journaling, commit) waited for its durable answer since `self`, on
+    /// average.
+    pub fn waited(&self, now: &Writer) -> Duration {
+        let each = (now.waited - self.waited) / (now.writes - self.writes).max(1.0);
+        Duration::from_secs_f64(each.max(0.0))
+    }
+}
+
+/// Where a request's round trip went, for a server whose writes are made durable by one
+/// writer: `connections` each waiting for its answer at `rate` requests a second, each
+/// request's durable write waiting `waited`. What is outside the writer is the HTTP
+/// exchange, the server's own work and its turns on the cores.
+pub fn round_trip(connections: usize, rate: f64, waited: Duration) -> String {
+    let trip = connections as f64 * 1e6 / rate.max(1.0);
+    let waited = waited.as_secs_f64() * 1e6;
+    format!(
+        "a round trip {trip:.0} µs: {waited:.0} waiting for the durable write, {:.0} outside the writer",
+        trip - waited
+    )
 }
 
 /// The SQLite writer's thread name, as the kernel keeps it (15 bytes).
