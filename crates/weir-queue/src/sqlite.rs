@@ -445,7 +445,8 @@ impl InFlight {
     /// Before a COMMIT: show the items the batch put in flight, and those it took out still.
     fn committing(&mut self) {
         if self.changed {
-            self.show(self.rows.values().chain(&self.leaving));
+            let count = self.rows.len() + self.leaving.len();
+            self.show(count, self.rows.values().chain(&self.leaving));
         }
     }
 
@@ -453,13 +454,13 @@ impl InFlight {
     fn committed(&mut self) {
         if std::mem::take(&mut self.changed) {
             self.leaving.clear();
-            self.show(self.rows.values());
+            self.show(self.rows.len(), self.rows.values());
         }
     }
 
-    fn show<'a>(&self, rows: impl Iterator<Item = &'a (i64, i64)> + Clone) {
+    fn show<'a>(&self, count: usize, rows: impl Iterator<Item = &'a (i64, i64)>) {
         let now = Flying {
-            count: rows.clone().count(),
+            count,
             oldest: rows.map(|&(_, e)| e).min(),
         };
         *self.shown.lock().unwrap_or_else(|p| p.into_inner()) = now;
@@ -1308,7 +1309,7 @@ fn insert_claimed(
 ) -> Result<(), QueueError> {
     let lease = w.lease + 1;
     let deliveries = row.deliveries + 1;
-    if !write_in_flight(
+    let Some(seq) = write_in_flight(
         ins,
         c,
         &mut w.flying,
@@ -1316,13 +1317,14 @@ fn insert_claimed(
         w.ord,
         lease,
         &w.waiters[x].consumer,
-    )? {
+    )?
+    else {
         return Ok(());
-    }
+    };
     w.lease = lease;
     w.woke = true;
     w.waiters[x].taken.push(Taken {
-        seq: c.last_insert_rowid(),
+        seq,
         lease,
         deliveries,
         stepped: false,
@@ -1381,17 +1383,18 @@ fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnsw
     w.ord += 1;
     let lease = w.lease + 1;
     let mut ins = c.prepare_cached(INSERT_CLAIMED_SQL)?;
-    if !write_in_flight(&mut ins, c, &mut w.flying, row, w.ord, lease, &x.consumer)? {
+    let Some(seq) = write_in_flight(&mut ins, c, &mut w.flying, row, w.ord, lease, &x.consumer)?
+    else {
         // The same id journaled before (a retried add): that copy goes its own way.
         return Ok(None);
-    }
+    };
     w.lease = lease;
-    Ok(Some((c.last_insert_rowid(), lease)))
+    Ok(Some((seq, lease)))
 }
 
 /// Write `row` in flight for `consumer` under `lease`, its delivery counted, with `ins`
-/// (`INSERT_CLAIMED_SQL`), and count it in `flying`; `false` when its id was journaled
-/// before.
+/// (`INSERT_CLAIMED_SQL`), and count it in `flying`: its row, or `None` when its id was
+/// journaled before.
 fn write_in_flight(
     ins: &mut rusqlite::CachedStatement<'_>,
     c: &Connection,
@@ -1400,7 +1403,7 @@ fn write_in_flight(
     ord: i64,
     lease: u64,
     consumer: &str,
-) -> Result<bool, QueueError> {
+) -> Result<Option<i64>, QueueError> {
     let since = now_ms();
     let n = ins.execute(params![
         row.id,
@@ -1413,10 +1416,12 @@ fn write_in_flight(
         consumer,
         since
     ])?;
-    if n > 0 {
-        flying.claimed(c.last_insert_rowid(), since, row.enqueued_at);
+    if n == 0 {
+        return Ok(None);
     }
-    Ok(n > 0)
+    let seq = c.last_insert_rowid();
+    flying.claimed(seq, since, row.enqueued_at);
+    Ok(Some(seq))
 }
 
 fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<(), QueueError> {
