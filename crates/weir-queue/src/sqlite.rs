@@ -135,6 +135,11 @@ const MIGRATIONS: &[&str] = &[
     // it 1.03x the accepted events a second over fourteen pairs, and 2-3 us less of the
     // writer's CPU an event).
     "DROP INDEX items_claimed;",
+    // 6: no index of the finished items either. The writer keeps them in the order they
+    // finished (`Finished`), for the trim past `FINISHED_KEPT` and the prune of old outcomes;
+    // the index's newest page was written again by every transaction that finished an item
+    // (1.2 of the 5.6 pages an echo's transaction wrote).
+    "DROP INDEX items_finished;",
 ];
 
 /// The schema this build writes.
@@ -146,7 +151,7 @@ const FINISHED_KEPT: i64 = 10_000;
 const IDEMPOTENCY_KEPT_MS: i64 = 24 * 3600 * 1000;
 /// Jobs in one transaction at most: bounds the latency of the first member.
 const MAX_BATCH: usize = 1024;
-/// Batches between two prunes of old idempotency keys (and recounts of finished items).
+/// Batches between two prunes of old idempotency keys.
 const PRUNE_EVERY: u64 = 512;
 /// Finished items past `FINISHED_KEPT` are deleted in the transactions that finish more,
 /// at most this many at a time (never one long delete that stalls every caller behind it).
@@ -380,9 +385,8 @@ struct Writer {
     /// The earliest `due` of a delayed item as far as the writer knows (never later than
     /// the true one): when it passes, the writer promotes what is due by itself.
     next_due: Option<i64>,
-    /// Finished items in the file, as far as the writer knows: counted at open, after a
-    /// rollback and every `PRUNE_EVERY` batches, and moved by the writes between.
-    finished: i64,
+    /// The finished items in the file.
+    finished: Finished,
     /// The items in flight.
     flying: InFlight,
     failpoints: Failpoints,
@@ -464,6 +468,39 @@ impl InFlight {
             oldest: rows.map(|&(_, e)| e).min(),
         };
         *self.shown.lock().unwrap_or_else(|p| p.into_inner()) = now;
+    }
+}
+
+/// The finished items in the file, kept by the writer in the order they finished (schema 6
+/// has no index of them): the trim deletes the oldest past `FINISHED_KEPT`, and a prune
+/// those finished before its time, each by row, with no scan of the file. Every write that
+/// finishes a row or deletes one says so here; the file is read at open and after a
+/// rolled-back batch. A row missed here would only be kept too long; a delete checks the
+/// row's state, so one wrongly here deletes nothing.
+#[derive(Default)]
+struct Finished {
+    /// `(at, seq)`: when each finished, and its row; oldest first.
+    rows: std::collections::VecDeque<(i64, i64)>,
+}
+
+impl Finished {
+    fn len(&self) -> i64 {
+        self.rows.len() as i64
+    }
+
+    fn push(&mut self, at: i64, seq: i64) {
+        self.rows.push_back((at, seq));
+    }
+
+    /// Read them from the file: at open, and after a rolled-back batch.
+    fn reload(&mut self, c: &Connection) -> Result<(), rusqlite::Error> {
+        self.rows = c
+            .prepare(
+                "SELECT coalesce(at, 0) AS t, seq FROM items WHERE st = 'finished' ORDER BY t, seq",
+            )?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<_, _>>()?;
+        Ok(())
     }
 }
 
@@ -653,7 +690,8 @@ impl SqliteQueue {
                 r.get(0)
             })
             .map_err(open_err)?;
-        let finished = count_finished(&conn).map_err(open_err)?;
+        let mut finished = Finished::default();
+        finished.reload(&conn).map_err(open_err)?;
         let paused: std::collections::HashSet<String> = conn
             .prepare("SELECT flow FROM paused")
             .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
@@ -937,7 +975,7 @@ fn write_loop(
         if w.woke {
             serve_waiters(&conn, &mut w, &mut held, &mut poison);
         }
-        if w.finished > FINISHED_KEPT {
+        if w.finished.len() > FINISHED_KEPT {
             if let Err(e) = guarded(&conn, &mut poison, || trim_finished(&conn, &mut w)) {
                 tracing::warn!(error = %e, "could not delete the oldest finished items");
             }
@@ -1022,13 +1060,11 @@ fn write_loop(
                     tracing::warn!(error = %e, "could not read the items in flight after a rollback; those missed come back at the next start")
                 }
             }
-        }
-        batches += 1;
-        if rolled_back || batches.is_multiple_of(PRUNE_EVERY) {
-            if let Ok(n) = count_finished(&conn) {
-                w.finished = n;
+            if let Err(e) = w.finished.reload(&conn) {
+                tracing::warn!(error = %e, "could not read the finished items after a rollback; those missed are kept until the next start");
             }
         }
+        batches += 1;
         if batches.is_multiple_of(PRUNE_EVERY) {
             if let Err(e) = prune(&conn) {
                 tracing::warn!(error = %e, "could not prune old idempotency keys");
@@ -1190,35 +1226,25 @@ fn ready_again(c: &Connection, w: &mut Writer, seqs: &[i64]) -> Result<usize, Qu
     Ok(n)
 }
 
-fn count_finished(c: &Connection) -> Result<i64, rusqlite::Error> {
-    c.query_row(
-        "SELECT count(*) FROM items WHERE st = 'finished'",
-        [],
-        |r| r.get(0),
-    )
-}
+/// Delete the finished row `seq` (one the writer keeps in `Finished`).
+const DELETE_FINISHED_SQL: &str = "DELETE FROM items WHERE seq = ?1 AND st = 'finished'";
 
 /// Delete the oldest finished items past the newest `FINISHED_KEPT`, inside the writer's
 /// transaction: the items a batch finishes are matched by about as many deletes in the same
 /// batch, in chunks, so the cost is spread evenly instead of one long delete now and then.
 fn trim_finished(c: &Connection, w: &mut Writer) -> Result<(), QueueError> {
-    // A fixed LIMIT in the text: SQLite reads a bound one while planning (see CLAIM_SQL).
-    let mut del = c.prepare_cached(&format!(
-        "DELETE FROM items WHERE seq IN (
-            SELECT seq FROM items WHERE st = 'finished' ORDER BY at LIMIT {TRIM_CHUNK})"
-    ))?;
+    let mut del = c.prepare_cached(DELETE_FINISHED_SQL)?;
     // At most two chunks a batch: a backlog (a file opened with many more) goes down
     // over the next batches.
     for _ in 0..2 {
-        if w.finished <= FINISHED_KEPT {
+        if w.finished.len() <= FINISHED_KEPT {
             break;
         }
-        let n = del.execute([])? as i64;
-        w.finished -= n;
-        if n < TRIM_CHUNK {
-            // The count was high (it is corrected every `PRUNE_EVERY` batches): none is left.
-            w.finished = 0;
-            break;
+        for _ in 0..TRIM_CHUNK {
+            let Some((_, seq)) = w.finished.rows.pop_front() else {
+                break;
+            };
+            del.execute([seq])?;
         }
     }
     Ok(())
@@ -1545,13 +1571,17 @@ fn finish(
     outcome: &str,
     now: i64,
 ) -> Result<(), QueueError> {
-    w.finished += c
+    let seq: Option<i64> = c
         .prepare_cached(
             "UPDATE items SET st = 'finished', reason = ?2, at = ?3, due = NULL, consumer = NULL,
                               stepped = 0
-             WHERE id = ?1",
+             WHERE id = ?1 RETURNING seq",
         )?
-        .execute(params![id.to_string(), outcome, now])? as i64;
+        .query_row(params![id.to_string(), outcome, now], |r| r.get(0))
+        .optional()?;
+    if let Some(seq) = seq {
+        w.finished.push(now, seq);
+    }
     Ok(())
 }
 
@@ -1614,17 +1644,17 @@ fn commit_wave(
             // By row when the claim gave it: a look-up in the id index fewer (the row of an
             // id never changes: rows are only ever inserted with a new `seq`). Without one,
             // the row is looked up by id (`coalesce` evaluates the look-up only then).
+            let now = now_ms();
             let n = c.prepare_cached(COMMIT_PLAIN_SQL)?.execute(params![
                 seq,
                 lease as i64,
                 outcome,
-                now_ms(),
+                now,
                 seq.is_none().then(|| id.to_string())
             ])?;
             if n != 1 {
                 return Ok(Committed::Conflict);
             }
-            w.finished += 1;
             let seq = match seq {
                 Some(s) => s,
                 None => c
@@ -1632,6 +1662,7 @@ fn commit_wave(
                     .query_row([id.to_string()], |r| r.get(0))?,
             };
             w.flying.ended(seq);
+            w.finished.push(now, seq);
             return Ok(Committed::Done);
         }
     }
@@ -2046,11 +2077,18 @@ impl WorkQueue for SqliteQueue {
 
     async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
         self.write(move |c, w| {
-            let outcomes = c.execute(
-                "DELETE FROM items WHERE st = 'finished' AND at < ?1",
-                [before],
-            )?;
-            w.finished -= outcomes as i64;
+            // The finished items are the writer's to know (no index over the file).
+            let mut del = c.prepare_cached(DELETE_FINISHED_SQL)?;
+            let mut outcomes = 0;
+            let mut kept = std::collections::VecDeque::with_capacity(w.finished.rows.len());
+            for (at, seq) in std::mem::take(&mut w.finished.rows) {
+                if at < before {
+                    outcomes += del.execute([seq])?;
+                } else {
+                    kept.push_back((at, seq));
+                }
+            }
+            w.finished.rows = kept;
             let dead = c.execute("DELETE FROM items WHERE st = 'dead' AND at < ?1", [before])?;
             let runs = c.execute(
                 "DELETE FROM state WHERE node = ?1
@@ -2176,15 +2214,20 @@ impl WorkQueue for SqliteQueue {
                 [&flow],
                 |r| r.get(0),
             )?;
-            let n = c.execute(
-                "UPDATE items SET st = 'finished', reason = 'cleared with its flow', at = ?2,
-                                  due = NULL, stepped = 0
-                 WHERE flow = ?1 AND st IN ('waiting', 'delayed', 'parked')",
-                params![flow, now_ms()],
-            )?;
+            let now = now_ms();
+            let cleared: Vec<i64> = c
+                .prepare(
+                    "UPDATE items SET st = 'finished', reason = 'cleared with its flow', at = ?2,
+                                      due = NULL, stepped = 0
+                     WHERE flow = ?1 AND st IN ('waiting', 'delayed', 'parked') RETURNING seq",
+                )?
+                .query_map(params![flow, now], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
             w.ready -= ready;
-            w.finished += n as i64;
-            Ok(n)
+            for &seq in &cleared {
+                w.finished.push(now, seq);
+            }
+            Ok(cleared.len())
         })
         .await
     }
@@ -2604,7 +2647,18 @@ mod tests {
         }
         // One more batch lets the last trim run.
         q.add(vec![item(0)]).await.unwrap();
-        let kept = q.read_with(|c| Ok(count_finished(c)?)).await.unwrap();
+        let kept: i64 = q
+            .read_with(|c| {
+                Ok(c.query_row(
+                    "SELECT count(*) FROM items WHERE st = 'finished'",
+                    [],
+                    |r| r.get(0),
+                )?)
+            })
+            .await
+            .unwrap();
+        let held = q.write(|_, w| Ok(w.finished.len())).await.unwrap();
+        assert_eq!(held, kept, "the writer holds what the file does");
         assert!(
             (FINISHED_KEPT - TRIM_CHUNK..=FINISHED_KEPT).contains(&kept),
             "{kept} finished items kept"
@@ -2710,6 +2764,85 @@ mod tests {
         assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 2);
         assert_eq!(counted(q.clone()).await, 0);
         assert_eq!(q.stats().await.unwrap().ready, 2);
+    }
+
+    /// The finished items are the writer's to keep (schema 6 has no index of them): every
+    /// way an item finishes, and every way a finished one is deleted, moves what the writer
+    /// holds, and it is what the file holds, oldest first, after a rolled-back batch too.
+    #[tokio::test]
+    async fn the_finished_items_are_kept_as_the_file_holds_them() {
+        let fp = Failpoints::new();
+        let q = Arc::new(SqliteQueue::temporary(fp.clone()).unwrap());
+        let kept = |q: Arc<SqliteQueue>| async move {
+            let held: Vec<(i64, i64)> = q
+                .write(|_, w| Ok(w.finished.rows.iter().copied().collect()))
+                .await
+                .unwrap();
+            let mut file: Vec<i64> = q
+                .read_with(|c| {
+                    let mut s = c.prepare("SELECT seq FROM items WHERE st = 'finished'")?;
+                    let seqs = s.query_map([], |r| r.get(0))?;
+                    Ok(seqs.collect::<Result<_, _>>()?)
+                })
+                .await
+                .unwrap();
+            assert!(
+                held.windows(2).all(|p| p[0].0 <= p[1].0),
+                "oldest first: {held:?}"
+            );
+            let mut seqs: Vec<i64> = held.iter().map(|&(_, s)| s).collect();
+            seqs.sort_unstable();
+            file.sort_unstable();
+            assert_eq!(seqs, file, "held against the file");
+            seqs.len()
+        };
+        q.add((0..6).map(item).collect()).await.unwrap();
+        let c = q.claim("a", 6, Duration::ZERO).await.unwrap();
+        let ack = |c: &Claimed| {
+            let (q, c) = (q.clone(), c.clone());
+            async move { q.commit(&c, WaveEffects::ending(End::Ack)).await.unwrap() }
+        };
+        // Finished by a plain commit, by row and by id.
+        assert_eq!(ack(&c[0]).await, Committed::Done);
+        let mut by_id = c[1].clone();
+        by_id.slot = 0;
+        assert_eq!(ack(&by_id).await, Committed::Done);
+        assert_eq!(kept(q.clone()).await, 2);
+        // By a commit that writes more than its end.
+        let mut more = WaveEffects::ending(End::Ack);
+        more.follow_ups.push(item(20));
+        assert_eq!(q.commit(&c[2], more).await.unwrap(), Committed::Done);
+        assert_eq!(kept(q.clone()).await, 3);
+        // A dead letter discarded, another replayed.
+        for x in &c[3..5] {
+            let dead = WaveEffects::ending(End::DeadLetter("no".into()));
+            assert_eq!(q.commit(x, dead).await.unwrap(), Committed::Done);
+        }
+        assert_eq!(kept(q.clone()).await, 3);
+        q.discard(c[3].item.id).await.unwrap();
+        q.replay(c[4].item.id).await.unwrap();
+        assert_eq!(kept(q.clone()).await, 5);
+        // A commit in a batch rolled back finished nothing.
+        fp.arm("sqlite-batch", 1);
+        assert!(q
+            .commit(&c[5], WaveEffects::ending(End::Ack))
+            .await
+            .is_err());
+        assert_eq!(kept(q.clone()).await, 5);
+        // Cancelled by hand, and cleared with the flow (the follow-up, the replayed item).
+        let waiting = item(30);
+        q.add(vec![waiting.clone()]).await.unwrap();
+        q.cancel(waiting.id).await.unwrap();
+        assert_eq!(kept(q.clone()).await, 6);
+        assert_eq!(q.clear_flow("f").await.unwrap(), 2);
+        assert_eq!(kept(q.clone()).await, 8);
+        // Pruned: those finished before the time go, the rest stay.
+        let p = q.prune(now_ms() - 60_000).await.unwrap();
+        assert_eq!((p.outcomes, kept(q.clone()).await), (0, 8));
+        let p = q.prune(now_ms() + 1).await.unwrap();
+        assert_eq!((p.outcomes, kept(q.clone()).await), (8, 0));
+        assert_eq!(ack(&c[5]).await, Committed::Done);
+        assert_eq!(kept(q.clone()).await, 1);
     }
 
     /// An item journaled claimed for a claim that was waiting in the writer (the row written
@@ -2879,8 +3012,8 @@ mod tests {
 
     /// A file of schema 3 (`seq` AUTOINCREMENT) opens with every item where it was, in its
     /// state, with its row; new items take rows after the largest; journaling no longer
-    /// writes `sqlite_sequence`; and (schema 5) the index of the items in flight is gone,
-    /// the writer counting them instead.
+    /// writes `sqlite_sequence`; and (schemas 5 and 6) the indexes of the items in flight and
+    /// of those finished are gone, the writer keeping them instead.
     #[tokio::test]
     async fn a_schema_3_file_keeps_its_items_and_drops_autoincrement() {
         let dir = tempfile::tempdir().unwrap();
@@ -2945,7 +3078,6 @@ mod tests {
             [
                 "items_dead",
                 "items_due",
-                "items_finished",
                 "items_parked",
                 "items_ready",
                 "sqlite_autoindex_items_1"
@@ -2957,6 +3089,11 @@ mod tests {
         };
         assert_eq!(state(waiting.id).await, "waiting");
         assert_eq!(state(finished.id).await, "finished");
+        let held = q
+            .write(|_, w| Ok(w.finished.rows.iter().copied().collect::<Vec<_>>()))
+            .await
+            .unwrap();
+        assert_eq!(held, [(0, 40)], "the finished item, kept by the writer");
         assert_eq!(
             state(in_flight.id).await,
             "waiting",
