@@ -442,7 +442,7 @@ impl Watch {
         let used = self.cpu.since(&self.pids);
         let committed = transactions(&p.base).await - self.transactions;
         let now = Writer::now(&p.base, p.pid()).await;
-        let trip = round_trip(CONNECTIONS, rate, self.writer.waited(&now));
+        let trip = round_trip(CONNECTIONS, rate, self.writer.journal_waited(&now));
         let writer = self.writer.since(&now, committed, fsync);
         let per = |d: Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
         let (engine, load) = (per(used.of[0]), per(used.of[1]));
@@ -724,7 +724,7 @@ async fn weir_echo(dir: &Path, broker: &Mosquitto, duration: Duration) -> (LoadR
     let echo = load::run(spec(a, "/hooks/bench-echo", 1, duration)).await;
     let committed = transactions(&p.base).await - committed;
     let wrote = writer_bytes_written(p.pid()) - wrote;
-    let waited = writer.waited(&Writer::now(&p.base, p.pid()).await);
+    let waited = writer.journal_waited(&Writer::now(&p.base, p.pid()).await);
     let pages = wal_pages(&dir.join("queue.db"));
     p.stop(Duration::from_secs(10)).await;
     let mut writes = format!(

@@ -757,6 +757,15 @@ impl SqliteQueue {
         &self,
         f: impl FnOnce(&Connection, &mut Writer) -> Result<R, QueueError> + Send + 'static,
     ) -> Result<R, QueueError> {
+        self.write_as(Wait::Other, f).await
+    }
+
+    /// `write`, its wait counted as `what`'s.
+    async fn write_as<R: Send + 'static>(
+        &self,
+        what: Wait,
+        f: impl FnOnce(&Connection, &mut Writer) -> Result<R, QueueError> + Send + 'static,
+    ) -> Result<R, QueueError> {
         let (reply, rx) = oneshot::channel();
         let run: Run = Box::new(move |c, w| f(c, w).map(|r| Box::new(r) as Box<dyn Any + Send>));
         let sent = std::time::Instant::now();
@@ -768,7 +777,7 @@ impl SqliteQueue {
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
         // How long a journaling or a commit waits for its transaction to be durable: behind
         // the transaction under way, then its own (group commit's price, and a webhook's).
-        metrics::histogram!("weir_sqlite_wait_seconds").record(sent.elapsed().as_secs_f64());
+        what.record(sent.elapsed());
         let answer = answer?;
         answer
             .downcast::<R>()
@@ -788,6 +797,29 @@ impl SqliteQueue {
         })
         .await
         .map_err(|e| QueueError::Unavailable(format!("reader task failed: {e}")))?
+    }
+}
+
+/// What waited for the writer's durable answer, as `weir_sqlite_wait_seconds` labels it.
+#[derive(Clone, Copy)]
+enum Wait {
+    /// An event journaled (what a webhook's answer waits for).
+    Journal,
+    /// A wave's commit.
+    Commit,
+    /// Anything else: the operator's changes, timers, markers.
+    Other,
+}
+
+impl Wait {
+    fn record(self, waited: Duration) {
+        let write = match self {
+            Wait::Journal => "journal",
+            Wait::Commit => "commit",
+            Wait::Other => "other",
+        };
+        metrics::histogram!("weir_sqlite_wait_seconds", "write" => write)
+            .record(waited.as_secs_f64());
     }
 }
 
@@ -1873,7 +1905,7 @@ impl WorkQueue for SqliteQueue {
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let max = self.max_ready;
         let rows = Encoded::all(&items)?;
-        self.write(move |c, w| {
+        self.write_as(Wait::Journal, move |c, w| {
             if w.ready + rows.len() as i64 > max {
                 return Err(QueueError::Full(w.ready.max(0) as usize));
             }
@@ -1919,7 +1951,7 @@ impl WorkQueue for SqliteQueue {
             .receive()
             .await
             .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
-        metrics::histogram!("weir_sqlite_wait_seconds").record(sent.elapsed().as_secs_f64());
+        Wait::Journal.record(sent.elapsed());
         Ok(got?.map(|(seq, lease)| {
             let mut item = item;
             item.deliveries += 1;
@@ -1934,7 +1966,7 @@ impl WorkQueue for SqliteQueue {
         let max = self.max_ready;
         let id = item.id;
         let row = Encoded::new(&item, now_ms())?;
-        self.write(move |c, w| {
+        self.write_as(Wait::Journal, move |c, w| {
             let first: Option<String> = c
                 .prepare_cached("SELECT id FROM idempotency WHERE key = ?1")?
                 .query_row([&key], |r| r.get(0))
@@ -1963,7 +1995,7 @@ impl WorkQueue for SqliteQueue {
     ) -> Result<bool, QueueError> {
         let key = key.clone();
         let row = Encoded::new(&item, now_ms())?;
-        self.write(move |c, w| {
+        self.write_as(Wait::Journal, move |c, w| {
             let last = read_state(c, &key)?.value.and_then(|v| v.as_i64());
             if last.is_some_and(|l| l >= tick) {
                 return Ok(false);
@@ -2055,8 +2087,10 @@ impl WorkQueue for SqliteQueue {
         let seq = (claimed.slot > 0).then_some(claimed.slot as i64);
         let mut fx = fx;
         let new = NewRows::take(&mut fx)?;
-        self.write(move |c, w| commit_wave(c, w, (id, seq), lease, &flow, fx, new))
-            .await
+        self.write_as(Wait::Commit, move |c, w| {
+            commit_wave(c, w, (id, seq), lease, &flow, fx, new)
+        })
+        .await
     }
 
     async fn reclaim_stale(&self, min_idle: Duration) -> Result<usize, QueueError> {

@@ -116,7 +116,7 @@ pub fn describe() {
     describe_histogram!(
         "weir_sqlite_wait_seconds",
         Unit::Seconds,
-        "Time a queue write (journaling an event, a wave's commit, …) took from its request to its durable answer: waiting for the transaction under way, then its own"
+        "Time a queue write took from its request to its durable answer: waiting for the transaction under way, then its own; by what was written (write: journal, an event journaled; commit, a wave's commit; other)"
     );
     describe_gauge!(
         "weir_mqtt_subscribed",
