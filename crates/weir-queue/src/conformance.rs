@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
+use ulid::Ulid;
 
 use crate::{
     now_ms, Claimed, Committed, DoneKey, End, Failpoints, ItemState, ListFilter, Reply, StateKey,
@@ -35,7 +36,8 @@ macro_rules! conformance_tests {
             recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago,
             items_come_back_as_they_were_added, an_item_added_again_is_journaled_once,
             an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it,
-            items_claimed_every_way_are_taken_back_from_a_stalled_engine
+            items_claimed_every_way_are_taken_back_from_a_stalled_engine,
+            list_pages_through_every_item_in_id_order
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -786,4 +788,55 @@ pub async fn an_item_added_again_is_journaled_once(q: Q, _fp: Failpoints) {
         ItemState::Finished { .. }
     ));
     assert_eq!(q.stats().await.unwrap().ready, 0);
+}
+
+/// `list` pages through every item once, in the order of their ids, `after` the last id of
+/// the page before: items whose ids share a millisecond, and items journaled in another
+/// order than their ids were made, included; a filter by state pages the same way.
+pub async fn list_pages_through_every_item_in_id_order(q: Q, _fp: Failpoints) {
+    // Made first, journaled last: ids of an earlier millisecond after later ones.
+    let early: Vec<WorkItem> = (0..5).map(|n| item("f", n)).collect();
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    let mut all = early.clone();
+    for round in 0..4 {
+        let batch: Vec<WorkItem> = (0..40).map(|n| item("f", 100 * round + n)).collect();
+        all.extend(batch.iter().cloned());
+        q.add(batch).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    q.add(early).await.unwrap();
+    let claimed = q.claim("a", 9, Duration::ZERO).await.unwrap();
+    let mut want: Vec<Ulid> = all.iter().map(|i| i.id).collect();
+    want.sort();
+    let page_through = |state: Option<&'static str>| {
+        let q = q.clone();
+        async move {
+            let mut got = Vec::new();
+            let mut after = None;
+            for _ in 0..100 {
+                let page = q
+                    .list(ListFilter {
+                        state: state.map(String::from),
+                        after,
+                        limit: 7,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                assert!(page.len() <= 7);
+                let Some(last) = page.last() else {
+                    return got;
+                };
+                after = Some(last.item.id);
+                got.extend(page.iter().map(|v| v.item.id));
+            }
+            panic!("more pages than items");
+        }
+    };
+    assert_eq!(page_through(None).await, want, "every item once, by id");
+    let mut flying: Vec<Ulid> = claimed.iter().map(|c| c.item.id).collect();
+    flying.sort();
+    assert_eq!(page_through(Some("in_flight")).await, flying);
+    let waiting: Vec<Ulid> = want.into_iter().filter(|id| !flying.contains(id)).collect();
+    assert_eq!(page_through(Some("waiting")).await, waiting);
 }

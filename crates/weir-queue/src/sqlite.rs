@@ -140,7 +140,95 @@ const MIGRATIONS: &[&str] = &[
     // the index's newest page was written again by every transaction that finished an item
     // (1.2 of the 5.6 pages an echo's transaction wrote).
     "DROP INDEX items_finished;",
+    // 7: no index of ids: a row's `seq` is made from its id's time (`rows_of`), so an id is
+    // found among the rows of its millisecond. Made in Rust (`rows_by_id_time`): SQLite
+    // cannot read a ULID's time.
+    "",
 ];
+
+/// The step that gives every row a `seq` made from its id's time (schema 7).
+const ROWS_BY_ID_TIME: usize = 7;
+
+/// Bits of `seq` below an id's millisecond: rows within one millisecond, in the order
+/// journaled (1,048,576 at most).
+const ROW_BITS: u32 = 20;
+
+/// The rows an item with an id of millisecond `ms` may take: `ms << ROW_BITS` and the
+/// 2^20 after it. Ids are found there (a look-up reads the rows of one millisecond, about
+/// as many as were journaled in it), and rows are in the order of their ids' times, which
+/// is about the order journaled, so new rows go at the end of the table as before.
+fn rows_at(ms: u64) -> (i64, i64) {
+    // Up to the year 2248; a later time (only a made-up id) shares the last millisecond.
+    let lo = (ms.min((1 << (63 - ROW_BITS)) - 1) as i64) << ROW_BITS;
+    (lo, lo | ((1 << ROW_BITS) - 1))
+}
+
+/// The rows an item with id `id` may take.
+fn rows_of(id: Ulid) -> (i64, i64) {
+    rows_at(id.timestamp_ms())
+}
+
+/// Schema 7's step: the rows copied into a table without the id's `UNIQUE`, each given a
+/// `seq` from its id's time, in the order of their ids.
+fn rows_by_id_time(tx: &rusqlite::Transaction<'_>) -> Result<(), rusqlite::Error> {
+    tx.execute_batch(
+        "CREATE TABLE items_7 (
+            seq INTEGER PRIMARY KEY,               -- the id's time (ms) << 20, then the rows journaled in it
+            id TEXT NOT NULL,                      -- the item's ULID (unique: see `new_row`)
+            flow TEXT NOT NULL,
+            st TEXT NOT NULL,                      -- waiting|in_flight|delayed|parked|dead|finished
+            ord INTEGER,                           -- place in the ready order
+            due INTEGER,                           -- delayed: not before (ms)
+            deliveries INTEGER NOT NULL DEFAULT 0,
+            lease INTEGER NOT NULL DEFAULT 0,
+            consumer TEXT,
+            since INTEGER,
+            stepped INTEGER NOT NULL DEFAULT 0,
+            reason TEXT,                           -- dead: why; finished: the outcome
+            at INTEGER,                            -- when it died or finished
+            enqueued_at INTEGER NOT NULL,
+            body TEXT NOT NULL                     -- the WorkItem (see `Stored`) as JSON
+        );",
+    )?;
+    {
+        let mut rows = tx.prepare("SELECT seq, id, enqueued_at FROM items ORDER BY id")?;
+        let mut copy = tx.prepare(
+            "INSERT INTO items_7 (seq, id, flow, st, ord, due, deliveries, lease, consumer,
+                                  since, stepped, reason, at, enqueued_at, body)
+                SELECT ?2, id, flow, st, ord, due, deliveries, lease, consumer,
+                       since, stepped, reason, at, enqueued_at, body FROM items WHERE seq = ?1",
+        )?;
+        let mut rows = rows.query([])?;
+        let mut last: Option<i64> = None;
+        while let Some(r) = rows.next()? {
+            let (old, id, enqueued_at): (i64, String, i64) = (r.get(0)?, r.get(1)?, r.get(2)?);
+            // An id that is no ULID (none is written so) is kept at its journaling's time.
+            let (lo, hi) = match Ulid::from_string(&id) {
+                Ok(u) => rows_of(u),
+                Err(_) => rows_at(enqueued_at.max(0) as u64),
+            };
+            let seq = match last {
+                Some(l) if l >= lo && l < hi => l + 1,
+                Some(l) if l >= hi => {
+                    return Err(rusqlite::Error::ToSqlConversionFailure(
+                        format!("more than 2^{ROW_BITS} items with ids of one millisecond").into(),
+                    ))
+                }
+                _ => lo,
+            };
+            copy.execute([old, seq])?;
+            last = Some(seq);
+        }
+    }
+    tx.execute_batch(
+        "DROP TABLE items;
+        ALTER TABLE items_7 RENAME TO items;
+        CREATE INDEX items_due ON items (due) WHERE st = 'delayed';
+        CREATE INDEX items_ready ON items (ord) WHERE st = 'waiting';
+        CREATE INDEX items_parked ON items (flow, ord) WHERE st = 'parked';
+        CREATE INDEX items_dead ON items (at) WHERE st = 'dead';",
+    )
+}
 
 /// The schema this build writes.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
@@ -295,6 +383,8 @@ fn decode(body: &str, cols: RowCols<'_>) -> Result<WorkItem, String> {
 /// the one writer thread (every durable write goes through it) only runs SQL.
 struct Encoded {
     id: String,
+    /// The rows its id may take (`rows_of`).
+    rows: (i64, i64),
     flow: String,
     /// Not before this time; `None` = ready now.
     due: Option<i64>,
@@ -337,6 +427,7 @@ impl Encoded {
         })?;
         Ok(Encoded {
             id: id.to_string(),
+            rows: rows_of(*id),
             flow: flow.clone(),
             due: not_before.filter(|&t| t > now),
             deliveries: *deliveries,
@@ -870,7 +961,11 @@ fn migrate(conn: &mut Connection) -> Result<(), QueueError> {
     let started = std::time::Instant::now();
     for (i, step) in MIGRATIONS.iter().enumerate().skip(have as usize) {
         let tx = conn.transaction()?;
-        tx.execute_batch(step)?;
+        if i + 1 == ROWS_BY_ID_TIME {
+            rows_by_id_time(&tx)?;
+        } else {
+            tx.execute_batch(step)?;
+        }
         tx.pragma_update(None, "user_version", (i + 1) as i64)?;
         tx.commit()?;
         tracing::debug!(version = i + 1, "queue schema migrated");
@@ -1306,13 +1401,16 @@ fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueErro
 /// order: nothing else was ready, the oldest claimer with room gets it, and once one row
 /// has gone to the ready order the rest follow it there.
 fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), QueueError> {
-    // An id seen before is the same item added again (a retried add): keep the first.
     let mut ins = c.prepare_cached(
-        "INSERT OR IGNORE INTO items (id, flow, st, ord, due, deliveries, enqueued_at, body)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        "INSERT INTO items (seq, id, flow, st, ord, due, deliveries, enqueued_at, body)
+         VALUES (?9, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )?;
     let mut ins_claimed = None;
     for row in rows {
+        // An id seen before is the same item added again (a retried add): keep the first.
+        let Some(seq) = new_row(c, row)? else {
+            continue;
+        };
         let (st, ord) = match row.due {
             Some(t) => {
                 w.next_due = Some(w.next_due.map_or(t, |d| d.min(t)));
@@ -1326,14 +1424,14 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
                             Some(s) => s,
                             None => ins_claimed.insert(c.prepare_cached(INSERT_CLAIMED_SQL)?),
                         };
-                        insert_claimed(ins, c, w, x, row)?;
+                        insert_claimed(ins, seq, w, x, row)?;
                         continue;
                     }
                 }
                 ("waiting", Some(w.ord))
             }
         };
-        let n = ins.execute(params![
+        ins.execute(params![
             row.id,
             row.flow,
             st,
@@ -1341,9 +1439,10 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
             row.due,
             row.deliveries,
             row.enqueued_at,
-            row.body
+            row.body,
+            seq
         ])?;
-        if n > 0 && st == "waiting" {
+        if st == "waiting" {
             w.ready += 1;
             w.woke = true;
         }
@@ -1351,34 +1450,57 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
     Ok(())
 }
 
-/// A new row already in flight (`insert_claimed`).
-const INSERT_CLAIMED_SQL: &str = "INSERT OR IGNORE INTO items
-        (id, flow, st, ord, deliveries, enqueued_at, body, lease, consumer, since)
-    VALUES (?1, ?2, 'in_flight', ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
+/// The row a new item takes (`rows_of` its id): the one after the largest of its id's
+/// millisecond. `None` when the id was journaled before (an add retried after its answer
+/// was lost): the first is kept.
+fn new_row(c: &Connection, row: &Encoded) -> Result<Option<i64>, QueueError> {
+    let (lo, hi) = row.rows;
+    let (last, seen): (Option<i64>, Option<i64>) = c
+        .prepare_cached("SELECT max(seq), max(id = ?3) FROM items WHERE seq BETWEEN ?1 AND ?2")?
+        .query_row(params![lo, hi, row.id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    match (last, seen) {
+        (_, Some(1)) => Ok(None),
+        (None, _) => Ok(Some(lo)),
+        (Some(l), _) if l < hi => Ok(Some(l + 1)),
+        _ => Err(QueueError::Unavailable(format!(
+            "more than 2^{ROW_BITS} items with ids of one millisecond"
+        ))),
+    }
+}
 
-/// Journal `row` in flight (with `ins`, `INSERT_CLAIMED_SQL`), claimed for the waiting
-/// claimer `w.waiters[x]`.
+/// The row of the item `id`, if it is journaled.
+fn row_of(c: &Connection, id: Ulid) -> Result<Option<i64>, rusqlite::Error> {
+    let (lo, hi) = rows_of(id);
+    c.prepare_cached("SELECT seq FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3")?
+        .query_row(params![lo, hi, id.to_string()], |r| r.get(0))
+        .optional()
+}
+
+/// A new row already in flight (`insert_claimed`).
+const INSERT_CLAIMED_SQL: &str = "INSERT INTO items
+        (seq, id, flow, st, ord, deliveries, enqueued_at, body, lease, consumer, since)
+    VALUES (?10, ?1, ?2, 'in_flight', ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
+
+/// Journal `row` in flight at `seq` (with `ins`, `INSERT_CLAIMED_SQL`), claimed for the
+/// waiting claimer `w.waiters[x]`.
 fn insert_claimed(
     ins: &mut rusqlite::CachedStatement<'_>,
-    c: &Connection,
+    seq: i64,
     w: &mut Writer,
     x: usize,
     row: &Encoded,
 ) -> Result<(), QueueError> {
     let lease = w.lease + 1;
     let deliveries = row.deliveries + 1;
-    let Some(seq) = write_in_flight(
+    write_in_flight(
         ins,
-        c,
+        seq,
         &mut w.flying,
         row,
         w.ord,
         lease,
         &w.waiters[x].consumer,
-    )?
-    else {
-        return Ok(());
-    };
+    )?;
     w.lease = lease;
     w.woke = true;
     w.waiters[x].taken.push(Taken {
@@ -1438,32 +1560,31 @@ fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnsw
         insert_all(c, w, std::slice::from_ref(row))?;
         return Ok(None);
     }
-    w.ord += 1;
-    let lease = w.lease + 1;
-    let mut ins = c.prepare_cached(INSERT_CLAIMED_SQL)?;
-    let Some(seq) = write_in_flight(&mut ins, c, &mut w.flying, row, w.ord, lease, &x.consumer)?
-    else {
+    let Some(seq) = new_row(c, row)? else {
         // The same id journaled before (a retried add): that copy goes its own way.
         return Ok(None);
     };
+    w.ord += 1;
+    let lease = w.lease + 1;
+    let mut ins = c.prepare_cached(INSERT_CLAIMED_SQL)?;
+    write_in_flight(&mut ins, seq, &mut w.flying, row, w.ord, lease, &x.consumer)?;
     w.lease = lease;
     Ok(Some((seq, lease)))
 }
 
-/// Write `row` in flight for `consumer` under `lease`, its delivery counted, with `ins`
-/// (`INSERT_CLAIMED_SQL`), and count it in `flying`: its row, or `None` when its id was
-/// journaled before.
+/// Write `row` in flight at `seq` for `consumer` under `lease`, its delivery counted, with
+/// `ins` (`INSERT_CLAIMED_SQL`), and count it in `flying`.
 fn write_in_flight(
     ins: &mut rusqlite::CachedStatement<'_>,
-    c: &Connection,
+    seq: i64,
     flying: &mut InFlight,
     row: &Encoded,
     ord: i64,
     lease: u64,
     consumer: &str,
-) -> Result<Option<i64>, QueueError> {
+) -> Result<(), QueueError> {
     let since = now_ms();
-    let n = ins.execute(params![
+    ins.execute(params![
         row.id,
         row.flow,
         ord,
@@ -1472,20 +1593,20 @@ fn write_in_flight(
         row.body,
         lease as i64,
         consumer,
-        since
+        since,
+        seq
     ])?;
-    if n == 0 {
-        return Ok(None);
-    }
-    let seq = c.last_insert_rowid();
     flying.claimed(seq, since, row.enqueued_at);
-    Ok(Some(seq))
+    Ok(())
 }
 
 fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<(), QueueError> {
+    let Some(seq) = new_row(c, row)? else {
+        return Ok(());
+    };
     c.prepare_cached(
-        "INSERT OR IGNORE INTO items (id, flow, st, deliveries, reason, at, enqueued_at, body)
-         VALUES (?1, ?2, 'dead', ?3, ?4, ?5, ?6, ?7)",
+        "INSERT INTO items (seq, id, flow, st, deliveries, reason, at, enqueued_at, body)
+         VALUES (?8, ?1, ?2, 'dead', ?3, ?4, ?5, ?6, ?7)",
     )?
     .execute(params![
         row.id,
@@ -1494,7 +1615,8 @@ fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<
         reason,
         now,
         row.enqueued_at,
-        row.body
+        row.body,
+        seq
     ])?;
     Ok(())
 }
@@ -1551,10 +1673,13 @@ fn view(r: &Row<'_>) -> rusqlite::Result<Result<ItemView, QueueError>> {
 }
 
 fn get_view(c: &Connection, id: Ulid) -> Result<Option<ItemView>, QueueError> {
-    c.prepare_cached(&format!("SELECT {ITEM_COLS} FROM items WHERE id = ?1"))?
-        .query_row([id.to_string()], view)
-        .optional()?
-        .transpose()
+    let (lo, hi) = rows_of(id);
+    c.prepare_cached(&format!(
+        "SELECT {ITEM_COLS} FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3"
+    ))?
+    .query_row(params![lo, hi, id.to_string()], view)
+    .optional()?
+    .transpose()
 }
 
 fn read_state(c: &Connection, key: &StateKey) -> Result<Versioned, QueueError> {
@@ -1590,9 +1715,12 @@ fn write_state(
 }
 
 fn item_state(c: &Connection, id: Ulid) -> Result<Option<String>, QueueError> {
-    Ok(c.prepare_cached("SELECT st FROM items WHERE id = ?1")?
-        .query_row([id.to_string()], |r| r.get(0))
-        .optional()?)
+    let (lo, hi) = rows_of(id);
+    Ok(
+        c.prepare_cached("SELECT st FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3")?
+            .query_row(params![lo, hi, id.to_string()], |r| r.get(0))
+            .optional()?,
+    )
 }
 
 /// End `id` as finished with `outcome`, and count it among the finished items kept.
@@ -1603,17 +1731,27 @@ fn finish(
     outcome: &str,
     now: i64,
 ) -> Result<(), QueueError> {
-    let seq: Option<i64> = c
-        .prepare_cached(
-            "UPDATE items SET st = 'finished', reason = ?2, at = ?3, due = NULL, consumer = NULL,
-                              stepped = 0
-             WHERE id = ?1 RETURNING seq",
-        )?
-        .query_row(params![id.to_string(), outcome, now], |r| r.get(0))
-        .optional()?;
-    if let Some(seq) = seq {
-        w.finished.push(now, seq);
+    match row_of(c, id)? {
+        Some(seq) => finish_row(c, w, seq, outcome, now),
+        None => Ok(()),
     }
+}
+
+/// End the row `seq` as finished with `outcome`, and count it among the finished items kept.
+fn finish_row(
+    c: &Connection,
+    w: &mut Writer,
+    seq: i64,
+    outcome: &str,
+    now: i64,
+) -> Result<(), QueueError> {
+    c.prepare_cached(
+        "UPDATE items SET st = 'finished', reason = ?2, at = ?3, due = NULL, consumer = NULL,
+                          stepped = 0
+         WHERE seq = ?1",
+    )?
+    .execute(params![seq, outcome, now])?;
+    w.finished.push(now, seq);
     Ok(())
 }
 
@@ -1638,12 +1776,11 @@ impl NewRows {
     }
 }
 
-/// The commit of a wave that writes nothing but its end: ?1 the row (or NULL), ?2 the
-/// lease, ?3 the outcome, ?4 now, ?5 the id (looked up only when ?1 is NULL).
+/// The commit of a wave that writes nothing but its end: ?1 the row, ?2 the lease, ?3 the
+/// outcome, ?4 now.
 const COMMIT_PLAIN_SQL: &str = "UPDATE items SET st = 'finished', reason = ?3, at = ?4,
         due = NULL, consumer = NULL, stepped = 0
-    WHERE seq = coalesce(?1, (SELECT seq FROM items WHERE id = ?5))
-      AND st = 'in_flight' AND lease = ?2";
+    WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2";
 
 /// `at` is the item's id and, when the claim gave it, its row.
 fn commit_wave(
@@ -1673,34 +1810,36 @@ fn commit_wave(
             if w.failpoints.hit("commit") {
                 return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
             }
-            // By row when the claim gave it: a look-up in the id index fewer (the row of an
-            // id never changes: rows are only ever inserted with a new `seq`). Without one,
-            // the row is looked up by id (`coalesce` evaluates the look-up only then).
+            // By row when the claim gave it: a look-up among its millisecond's rows fewer
+            // (the row of an id never changes while it is in flight).
+            let seq = match seq {
+                Some(s) => s,
+                None => match row_of(c, id)? {
+                    Some(s) => s,
+                    None => return Ok(Committed::Conflict),
+                },
+            };
             let now = now_ms();
             let n = c.prepare_cached(COMMIT_PLAIN_SQL)?.execute(params![
                 seq,
                 lease as i64,
                 outcome,
-                now,
-                seq.is_none().then(|| id.to_string())
+                now
             ])?;
             if n != 1 {
                 return Ok(Committed::Conflict);
             }
-            let seq = match seq {
-                Some(s) => s,
-                None => c
-                    .prepare_cached("SELECT seq FROM items WHERE id = ?1")?
-                    .query_row([id.to_string()], |r| r.get(0))?,
-            };
             w.flying.ended(seq);
             w.finished.push(now, seq);
             return Ok(Committed::Done);
         }
     }
+    let (lo, hi) = rows_of(id);
     let owner: Option<(String, i64, i64)> = c
-        .prepare_cached("SELECT st, lease, seq FROM items WHERE id = ?1")?
-        .query_row([id.to_string()], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .prepare_cached("SELECT st, lease, seq FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3")?
+        .query_row(params![lo, hi, id.to_string()], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
         .optional()?;
     let row = match owner {
         Some((st, l, row)) if st == "in_flight" && l == lease as i64 => row,
@@ -1736,20 +1875,20 @@ fn commit_wave(
             .execute([id.to_string()])?;
     }
     match fx.end.unwrap_or(End::Ack) {
-        End::Ack => finish(c, w, id, fx.outcome.as_deref().unwrap_or("done"), now)?,
-        End::Superseded => finish(c, w, id, "superseded by a newer timer", now)?,
+        End::Ack => finish_row(c, w, row, fx.outcome.as_deref().unwrap_or("done"), now)?,
+        End::Superseded => finish_row(c, w, row, "superseded by a newer timer", now)?,
         End::DeadLetter(reason) => {
             c.prepare_cached(
                 "UPDATE items SET st = 'dead', reason = ?2, at = ?3, consumer = NULL, stepped = 0
-                 WHERE id = ?1",
+                 WHERE seq = ?1",
             )?
-            .execute(params![id.to_string(), reason, now])?;
+            .execute(params![row, reason, now])?;
         }
         End::Park => {
             c.prepare_cached(
-                "UPDATE items SET st = 'parked', consumer = NULL, stepped = 0 WHERE id = ?1",
+                "UPDATE items SET st = 'parked', consumer = NULL, stepped = 0 WHERE seq = ?1",
             )?
-            .execute([id.to_string()])?;
+            .execute([row])?;
         }
     }
     w.flying.ended(row);
@@ -2368,19 +2507,37 @@ impl WorkQueue for SqliteQueue {
     }
 
     async fn list(&self, f: ListFilter) -> Result<Vec<ItemView>, QueueError> {
-        let limit = if f.limit == 0 { 100 } else { f.limit } as i64;
+        let limit = if f.limit == 0 { 100 } else { f.limit };
         self.read_with(move |c| {
-            c.prepare_cached(&format!(
-                "SELECT {ITEM_COLS} FROM items
-                 WHERE (?1 IS NULL OR flow = ?1) AND (?2 IS NULL OR st = ?2) AND (?3 IS NULL OR id > ?3)
-                 ORDER BY id LIMIT ?4"
-            ))?
-            .query_map(
-                params![f.flow, f.state, f.after.map(|a| a.to_string()), limit],
-                view,
-            )?
-            .map(|r| r?)
-            .collect()
+            // In the order of the rows, which is that of their ids' milliseconds (`rows_of`;
+            // there is no index of ids): each millisecond's rows are read whole, and sorted
+            // by id, until `limit` are found.
+            let after = f.after.map(|a| a.to_string());
+            let from = f.after.map_or(0, |a| rows_of(a).0);
+            let mut q = c.prepare_cached(&format!(
+                "SELECT {ITEM_COLS}, seq FROM items
+                 WHERE seq >= ?1 AND (?2 IS NULL OR flow = ?2) AND (?3 IS NULL OR st = ?3)
+                 ORDER BY seq"
+            ))?;
+            let mut rows = q.query(params![from, f.flow, f.state])?;
+            let mut found: Vec<ItemView> = Vec::new();
+            let mut ms = None;
+            while let Some(r) = rows.next()? {
+                let at = r.get::<_, i64>(11)? >> ROW_BITS;
+                if found.len() >= limit && ms != Some(at) {
+                    break;
+                }
+                ms = Some(at);
+                if let Some(a) = &after {
+                    if r.get::<_, String>(8)?.as_str() <= a.as_str() {
+                        continue;
+                    }
+                }
+                found.push(view(r)??);
+            }
+            found.sort_by_key(|v| v.item.id);
+            found.truncate(limit);
+            Ok(found)
         })
         .await
     }
@@ -2612,11 +2769,11 @@ mod tests {
         q.add((0..3).map(item).collect()).await.unwrap();
         let c = q.claim("a", 3, Duration::ZERO).await.unwrap();
         assert!(c.iter().all(|c| c.slot > 0), "each claim gives the row");
-        // The commit's update goes straight to the row, by row or by id, never a scan.
+        // The commit's update goes straight to the row, never a scan.
         let plan = q
             .write(|c, _| {
                 let mut p = c.prepare(&format!("EXPLAIN QUERY PLAN {COMMIT_PLAIN_SQL}"))?;
-                let args = params![1, 1, "done", 0, None::<String>];
+                let args = params![1, 1, "done", 0];
                 let rows = p.query_map(args, |r| r.get::<_, String>(3))?;
                 Ok(rows.collect::<Result<Vec<_>, _>>()?.join("; "))
             })
@@ -3046,8 +3203,9 @@ mod tests {
 
     /// A file of schema 3 (`seq` AUTOINCREMENT) opens with every item where it was, in its
     /// state, with its row; new items take rows after the largest; journaling no longer
-    /// writes `sqlite_sequence`; and (schemas 5 and 6) the indexes of the items in flight and
-    /// of those finished are gone, the writer keeping them instead.
+    /// writes `sqlite_sequence`; (schemas 5 and 6) the indexes of the items in flight and of
+    /// those finished are gone, the writer keeping them instead; and (schema 7) the index of
+    /// ids is gone, each row's `seq` made from its id's time.
     #[tokio::test]
     async fn a_schema_3_file_keeps_its_items_and_drops_autoincrement() {
         let dir = tempfile::tempdir().unwrap();
@@ -3109,14 +3267,26 @@ mod tests {
             .unwrap();
         assert_eq!(
             indexes,
-            [
-                "items_dead",
-                "items_due",
-                "items_parked",
-                "items_ready",
-                "sqlite_autoindex_items_1"
-            ]
+            ["items_dead", "items_due", "items_parked", "items_ready"]
         );
+        // Schema 7: every row's `seq` is its id's time, then its place among the ids of
+        // that millisecond.
+        let rows: Vec<(i64, String)> = q
+            .read_with(|c| {
+                let mut s = c.prepare("SELECT seq, id FROM items ORDER BY seq")?;
+                let rows = s.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                Ok(rows.collect::<Result<_, _>>()?)
+            })
+            .await
+            .unwrap();
+        let mut by_id = rows.clone();
+        by_id.sort_by(|a, b| a.1.cmp(&b.1));
+        assert_eq!(rows, by_id, "rows in the order of their ids");
+        for (seq, id) in &rows {
+            let id = Ulid::from_string(id).unwrap();
+            assert_eq!(*seq >> ROW_BITS, id.timestamp_ms() as i64, "{id}");
+        }
+        let row = |id: Ulid| rows.iter().find(|r| r.1 == id.to_string()).unwrap().0;
         let state = |id| {
             let q = &q;
             async move { q.get(id).await.unwrap().unwrap().state.name() }
@@ -3127,7 +3297,11 @@ mod tests {
             .write(|_, w| Ok(w.finished.rows.iter().copied().collect::<Vec<_>>()))
             .await
             .unwrap();
-        assert_eq!(held, [(0, 40)], "the finished item, kept by the writer");
+        assert_eq!(
+            held,
+            [(0, row(finished.id))],
+            "the finished item, kept by the writer"
+        );
         assert_eq!(
             state(in_flight.id).await,
             "waiting",
@@ -3137,18 +3311,26 @@ mod tests {
         assert_eq!(q.stats().await.unwrap().in_flight, 2);
         assert_eq!(
             got.iter().map(|c| (c.item.id, c.slot)).collect::<Vec<_>>(),
-            vec![(waiting.id, 7), (in_flight.id, 41)],
-            "the same rows, in the ready order"
+            vec![
+                (waiting.id, row(waiting.id) as u64),
+                (in_flight.id, row(in_flight.id) as u64)
+            ],
+            "their rows, in the ready order"
         );
         assert_eq!(
             got[1].item.deliveries, 2,
             "its delivery counted before stays"
         );
-        q.add(vec![item(4)]).await.unwrap();
+        let new = item(4);
+        q.add(vec![new.clone()]).await.unwrap();
         let (seq, sequence): (i64, i64) = q
-            .read_with(|c| {
+            .read_with(move |c| {
                 Ok((
-                    c.query_row("SELECT max(seq) FROM items", [], |r| r.get(0))?,
+                    c.query_row(
+                        "SELECT seq FROM items WHERE id = ?1",
+                        [new.id.to_string()],
+                        |r| r.get(0),
+                    )?,
                     c.query_row(
                         "SELECT count(*) FROM sqlite_sequence WHERE name = 'items'",
                         [],
@@ -3158,7 +3340,11 @@ mod tests {
             })
             .await
             .unwrap();
-        assert_eq!(seq, 42, "the next row after the largest");
+        assert_eq!(
+            seq >> ROW_BITS,
+            new.id.timestamp_ms() as i64,
+            "a new row at its id's time"
+        );
         assert_eq!(sequence, 0, "nothing kept in sqlite_sequence");
         for c in &got {
             let r = q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap();

@@ -154,6 +154,12 @@ async fn a_failed_batch_fails_every_member_and_keeps_none() {
     assert_eq!(q.stats().await.unwrap().ready, 100 - failed);
 }
 
+/// The row the queue gives an item with id `id` (schema 7: its id's time, then its place
+/// among that millisecond's), for the first such item.
+fn row_at(id: ulid::Ulid) -> i64 {
+    (id.timestamp_ms() as i64) << 20
+}
+
 #[tokio::test]
 async fn rows_written_before_bodies_were_compact_still_read() {
     let dir = tempfile::tempdir().unwrap();
@@ -163,12 +169,13 @@ async fn rows_written_before_bodies_were_compact_still_read() {
     let it = weir_queue::conformance::unusual_item("f");
     let c = rusqlite::Connection::open(&path).unwrap();
     c.execute(
-        "INSERT INTO items (id, flow, st, ord, deliveries, enqueued_at, body)
-         VALUES (?1, 'f', 'waiting', 0, 0, ?2, ?3)",
+        "INSERT INTO items (seq, id, flow, st, ord, deliveries, enqueued_at, body)
+         VALUES (?4, ?1, 'f', 'waiting', 0, 0, ?2, ?3)",
         rusqlite::params![
             it.id.to_string(),
             it.enqueued_at,
-            serde_json::to_string(&it).unwrap()
+            serde_json::to_string(&it).unwrap(),
+            row_at(it.id)
         ],
     )
     .unwrap();
@@ -194,8 +201,8 @@ async fn a_poison_row_is_dead_lettered_alone_and_the_rest_flow() {
     let c = rusqlite::Connection::open(&path).unwrap();
     let poison = ulid::Ulid::new();
     c.execute(
-        "INSERT INTO items (id, flow, st, ord, enqueued_at, body) VALUES (?1, 'f', 'waiting', 0, 0, '{not json')",
-        [poison.to_string()],
+        "INSERT INTO items (seq, id, flow, st, ord, enqueued_at, body) VALUES (?2, ?1, 'f', 'waiting', 0, 0, '{not json')",
+        rusqlite::params![poison.to_string(), row_at(poison)],
     )
     .unwrap();
     drop(c);
