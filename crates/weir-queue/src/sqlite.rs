@@ -480,6 +480,8 @@ struct Writer {
     finished: Finished,
     /// The items in flight.
     flying: InFlight,
+    /// The rows of the millisecond last journaled into.
+    recent: Recent,
     failpoints: Failpoints,
 }
 
@@ -806,6 +808,7 @@ impl SqliteQueue {
             next_due,
             finished,
             flying,
+            recent: Recent::default(),
             failpoints,
         };
         let batches = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -1187,6 +1190,7 @@ fn write_loop(
                     tracing::warn!(error = %e, "could not read the items in flight after a rollback; those missed come back at the next start")
                 }
             }
+            w.recent.forget();
             if let Err(e) = w.finished.reload(&conn) {
                 tracing::warn!(error = %e, "could not read the finished items after a rollback; those missed are kept until the next start");
             }
@@ -1367,6 +1371,7 @@ fn trim_finished(c: &Connection, w: &mut Writer) -> Result<(), QueueError> {
         if w.finished.len() <= FINISHED_KEPT {
             break;
         }
+        w.recent.forget();
         for _ in 0..TRIM_CHUNK {
             let Some((_, seq)) = w.finished.rows.pop_front() else {
                 break;
@@ -1408,7 +1413,7 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
     let mut ins_claimed = None;
     for row in rows {
         // An id seen before is the same item added again (a retried add): keep the first.
-        let Some(seq) = new_row(c, row)? else {
+        let Some(seq) = new_row(c, &mut w.recent, row)? else {
             continue;
         };
         let (st, ord) = match row.due {
@@ -1442,6 +1447,7 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
             row.body,
             seq
         ])?;
+        w.recent.wrote(seq, &row.id);
         if st == "waiting" {
             w.ready += 1;
             w.woke = true;
@@ -1453,18 +1459,64 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
 /// The row a new item takes (`rows_of` its id): the one after the largest of its id's
 /// millisecond. `None` when the id was journaled before (an add retried after its answer
 /// was lost): the first is kept.
-fn new_row(c: &Connection, row: &Encoded) -> Result<Option<i64>, QueueError> {
+fn new_row(c: &Connection, recent: &mut Recent, row: &Encoded) -> Result<Option<i64>, QueueError> {
     let (lo, hi) = row.rows;
-    let (last, seen): (Option<i64>, Option<i64>) = c
-        .prepare_cached("SELECT max(seq), max(id = ?3) FROM items WHERE seq BETWEEN ?1 AND ?2")?
-        .query_row(params![lo, hi, row.id], |r| Ok((r.get(0)?, r.get(1)?)))?;
-    match (last, seen) {
-        (_, Some(1)) => Ok(None),
-        (None, _) => Ok(Some(lo)),
-        (Some(l), _) if l < hi => Ok(Some(l + 1)),
+    if recent.lo != Some(lo) {
+        recent.read(c, lo, hi)?;
+    }
+    if recent.ids.contains(&row.id) {
+        return Ok(None);
+    }
+    match recent.last {
+        None => Ok(Some(lo)),
+        Some(l) if l < hi => Ok(Some(l + 1)),
         _ => Err(QueueError::Unavailable(format!(
             "more than 2^{ROW_BITS} items with ids of one millisecond"
         ))),
+    }
+}
+
+/// The rows of the millisecond the writer last journaled into, as the file holds them
+/// (schema 7): a new item of that millisecond, the common case since items are journaled as
+/// they are made, takes its row and is checked against the ids there without reading them
+/// again (a batch of hundreds made in one millisecond would read the ones before it each
+/// time). Read from the file when another millisecond comes; told of each row written only
+/// once its insert succeeded; forgotten after a rolled-back batch and after any delete.
+#[derive(Default)]
+struct Recent {
+    /// The millisecond's first row.
+    lo: Option<i64>,
+    /// Its largest row.
+    last: Option<i64>,
+    ids: std::collections::HashSet<String>,
+}
+
+impl Recent {
+    fn read(&mut self, c: &Connection, lo: i64, hi: i64) -> Result<(), rusqlite::Error> {
+        self.lo = None;
+        self.last = None;
+        self.ids.clear();
+        let mut q = c.prepare_cached("SELECT seq, id FROM items WHERE seq BETWEEN ?1 AND ?2")?;
+        let mut rows = q.query([lo, hi])?;
+        while let Some(r) = rows.next()? {
+            let seq: i64 = r.get(0)?;
+            self.last = Some(self.last.map_or(seq, |l| l.max(seq)));
+            self.ids.insert(r.get(1)?);
+        }
+        self.lo = Some(lo);
+        Ok(())
+    }
+
+    /// The row `seq` was written for `id`.
+    fn wrote(&mut self, seq: i64, id: &str) {
+        if self.lo == Some(seq & !((1 << ROW_BITS) - 1)) {
+            self.last = Some(self.last.map_or(seq, |l| l.max(seq)));
+            self.ids.insert(id.to_string());
+        }
+    }
+
+    fn forget(&mut self) {
+        self.lo = None;
     }
 }
 
@@ -1495,7 +1547,7 @@ fn insert_claimed(
     write_in_flight(
         ins,
         seq,
-        &mut w.flying,
+        (&mut w.flying, &mut w.recent),
         row,
         w.ord,
         lease,
@@ -1560,24 +1612,25 @@ fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnsw
         insert_all(c, w, std::slice::from_ref(row))?;
         return Ok(None);
     }
-    let Some(seq) = new_row(c, row)? else {
+    let Some(seq) = new_row(c, &mut w.recent, row)? else {
         // The same id journaled before (a retried add): that copy goes its own way.
         return Ok(None);
     };
     w.ord += 1;
     let lease = w.lease + 1;
     let mut ins = c.prepare_cached(INSERT_CLAIMED_SQL)?;
-    write_in_flight(&mut ins, seq, &mut w.flying, row, w.ord, lease, &x.consumer)?;
+    let to = (&mut w.flying, &mut w.recent);
+    write_in_flight(&mut ins, seq, to, row, w.ord, lease, &x.consumer)?;
     w.lease = lease;
     Ok(Some((seq, lease)))
 }
 
 /// Write `row` in flight at `seq` for `consumer` under `lease`, its delivery counted, with
-/// `ins` (`INSERT_CLAIMED_SQL`), and count it in `flying`.
+/// `ins` (`INSERT_CLAIMED_SQL`), and count it in `flying` and `recent`.
 fn write_in_flight(
     ins: &mut rusqlite::CachedStatement<'_>,
     seq: i64,
-    flying: &mut InFlight,
+    (flying, recent): (&mut InFlight, &mut Recent),
     row: &Encoded,
     ord: i64,
     lease: u64,
@@ -1596,12 +1649,19 @@ fn write_in_flight(
         since,
         seq
     ])?;
+    recent.wrote(seq, &row.id);
     flying.claimed(seq, since, row.enqueued_at);
     Ok(())
 }
 
-fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<(), QueueError> {
-    let Some(seq) = new_row(c, row)? else {
+fn insert_dead(
+    c: &Connection,
+    w: &mut Writer,
+    row: &Encoded,
+    reason: &str,
+    now: i64,
+) -> Result<(), QueueError> {
+    let Some(seq) = new_row(c, &mut w.recent, row)? else {
         return Ok(());
     };
     c.prepare_cached(
@@ -1618,6 +1678,7 @@ fn insert_dead(c: &Connection, row: &Encoded, reason: &str, now: i64) -> Result<
         row.body,
         seq
     ])?;
+    w.recent.wrote(seq, &row.id);
     Ok(())
 }
 
@@ -1868,7 +1929,7 @@ fn commit_wave(
         return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
     }
     for (row, reason) in &new.dead {
-        insert_dead(c, row, reason, now)?;
+        insert_dead(c, w, row, reason, now)?;
     }
     if w.marked.remove(&id) {
         c.prepare_cached("DELETE FROM done WHERE item = ?1")?
@@ -2251,6 +2312,7 @@ impl WorkQueue for SqliteQueue {
     async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
         self.write(move |c, w| {
             // The finished items are the writer's to know (no index over the file).
+            w.recent.forget();
             let mut del = c.prepare_cached(DELETE_FINISHED_SQL)?;
             let mut outcomes = 0;
             let mut kept = std::collections::VecDeque::with_capacity(w.finished.rows.len());
@@ -2955,6 +3017,35 @@ mod tests {
         assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 2);
         assert_eq!(counted(q.clone()).await, 0);
         assert_eq!(q.stats().await.unwrap().ready, 2);
+    }
+
+    /// An id is journaled once (schema 7 has no index of ids: the writer keeps the ids of
+    /// the millisecond it last wrote into): an add retried after its batch was rolled back is
+    /// journaled, one retried after it was journaled is not, whether the first is in the
+    /// same batch, the millisecond last written or an earlier one.
+    #[tokio::test]
+    async fn an_id_is_journaled_once_whatever_the_writer_remembers() {
+        let fp = Failpoints::new();
+        let q = SqliteQueue::temporary(fp.clone()).unwrap();
+        async fn rows(q: &SqliteQueue) -> Result<i64, QueueError> {
+            q.read_with(|c| Ok(c.query_row("SELECT count(*) FROM items", [], |r| r.get(0))?))
+                .await
+        }
+        let (a, b) = (item(1), item(2));
+        fp.arm("sqlite-batch", 1);
+        assert!(q.add(vec![a.clone()]).await.is_err());
+        assert_eq!(rows(&q).await.unwrap(), 0, "rolled back");
+        q.add(vec![a.clone(), b.clone(), a.clone()]).await.unwrap();
+        assert_eq!(rows(&q).await.unwrap(), 2, "the retry journaled, once");
+        q.add(vec![b.clone()]).await.unwrap();
+        // Another millisecond written in between: the first is read from the file again.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        q.add(vec![item(3)]).await.unwrap();
+        q.add(vec![a.clone(), b.clone()]).await.unwrap();
+        assert_eq!(rows(&q).await.unwrap(), 3);
+        let x = q.add_claimed("c", a.clone()).await.unwrap();
+        assert!(x.is_none(), "journaled before: that copy goes its own way");
+        assert_eq!(rows(&q).await.unwrap(), 3);
     }
 
     /// The finished items are the writer's to keep (schema 6 has no index of them): every
