@@ -383,6 +383,7 @@ fn decode(body: &str, cols: RowCols<'_>) -> Result<WorkItem, String> {
 /// the one writer thread (every durable write goes through it) only runs SQL.
 struct Encoded {
     id: String,
+    ulid: Ulid,
     /// The rows its id may take (`rows_of`).
     rows: (i64, i64),
     flow: String,
@@ -427,6 +428,7 @@ impl Encoded {
         })?;
         Ok(Encoded {
             id: id.to_string(),
+            ulid: *id,
             rows: rows_of(*id),
             flow: flow.clone(),
             due: not_before.filter(|&t| t > now),
@@ -1447,7 +1449,7 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
             row.body,
             seq
         ])?;
-        w.recent.wrote(seq, &row.id);
+        w.recent.wrote(seq, row.ulid);
         if st == "waiting" {
             w.ready += 1;
             w.woke = true;
@@ -1464,7 +1466,7 @@ fn new_row(c: &Connection, recent: &mut Recent, row: &Encoded) -> Result<Option<
     if recent.lo != Some(lo) {
         recent.read(c, lo, hi)?;
     }
-    if recent.ids.contains(&row.id) {
+    if recent.ids.contains(&row.ulid) {
         return Ok(None);
     }
     match recent.last {
@@ -1488,7 +1490,7 @@ struct Recent {
     lo: Option<i64>,
     /// Its largest row.
     last: Option<i64>,
-    ids: std::collections::HashSet<String>,
+    ids: std::collections::HashSet<Ulid>,
 }
 
 impl Recent {
@@ -1501,17 +1503,20 @@ impl Recent {
         while let Some(r) = rows.next()? {
             let seq: i64 = r.get(0)?;
             self.last = Some(self.last.map_or(seq, |l| l.max(seq)));
-            self.ids.insert(r.get(1)?);
+            // An id that is no ULID (none is written so) cannot be added again either.
+            if let Ok(id) = Ulid::from_string(r.get_ref(1)?.as_str().unwrap_or_default()) {
+                self.ids.insert(id);
+            }
         }
         self.lo = Some(lo);
         Ok(())
     }
 
     /// The row `seq` was written for `id`.
-    fn wrote(&mut self, seq: i64, id: &str) {
+    fn wrote(&mut self, seq: i64, id: Ulid) {
         if self.lo == Some(seq & !((1 << ROW_BITS) - 1)) {
             self.last = Some(self.last.map_or(seq, |l| l.max(seq)));
-            self.ids.insert(id.to_string());
+            self.ids.insert(id);
         }
     }
 
@@ -1649,7 +1654,7 @@ fn write_in_flight(
         since,
         seq
     ])?;
-    recent.wrote(seq, &row.id);
+    recent.wrote(seq, row.ulid);
     flying.claimed(seq, since, row.enqueued_at);
     Ok(())
 }
@@ -1678,7 +1683,7 @@ fn insert_dead(
         row.body,
         seq
     ])?;
-    w.recent.wrote(seq, &row.id);
+    w.recent.wrote(seq, row.ulid);
     Ok(())
 }
 
