@@ -199,25 +199,27 @@ fn rows_by_id_time(tx: &rusqlite::Transaction<'_>) -> Result<(), rusqlite::Error
                        since, stepped, reason, at, enqueued_at, body FROM items WHERE seq = ?1",
         )?;
         let mut rows = rows.query([])?;
-        let mut last: Option<i64> = None;
+        // The largest row given in each millisecond so far: in id order they come one
+        // millisecond after another, but for an id that is no ULID (none is written so),
+        // kept at its journaling's time.
+        let mut last: std::collections::HashMap<i64, i64> = std::collections::HashMap::new();
         while let Some(r) = rows.next()? {
             let (old, id, enqueued_at): (i64, String, i64) = (r.get(0)?, r.get(1)?, r.get(2)?);
-            // An id that is no ULID (none is written so) is kept at its journaling's time.
             let (lo, hi) = match Ulid::from_string(&id) {
                 Ok(u) => rows_of(u),
                 Err(_) => rows_at(enqueued_at.max(0) as u64),
             };
-            let seq = match last {
-                Some(l) if l >= lo && l < hi => l + 1,
-                Some(l) if l >= hi => {
+            let seq = match last.get(&lo) {
+                None => lo,
+                Some(&l) if l < hi => l + 1,
+                Some(_) => {
                     return Err(rusqlite::Error::ToSqlConversionFailure(
                         format!("more than 2^{ROW_BITS} items with ids of one millisecond").into(),
                     ))
                 }
-                _ => lo,
             };
             copy.execute([old, seq])?;
-            last = Some(seq);
+            last.insert(lo, seq);
         }
     }
     tx.execute_batch(
@@ -3295,6 +3297,52 @@ mod tests {
             newer.await.unwrap().is_empty(),
             "the newer one waited behind it and got none"
         );
+    }
+
+    /// Schema 7's step gives a row whose id is no ULID (none is written so; a file edited by
+    /// hand) a row at its journaling's time, whatever the rows around it in id order, and the
+    /// file opens with every item.
+    #[tokio::test]
+    async fn a_row_whose_id_is_no_ulid_does_not_stop_the_migration() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("queue.db");
+        let (a, b) = (item(1), item(2));
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch("PRAGMA journal_mode=WAL").unwrap();
+            for step in &MIGRATIONS[..6] {
+                c.execute_batch(step).unwrap();
+            }
+            c.pragma_update(None, "user_version", 6).unwrap();
+            let w = |id: &str, enqueued_at: i64, body: &str| {
+                c.execute(
+                    "INSERT INTO items (id, flow, st, ord, enqueued_at, body)
+                     VALUES (?1, 'f', 'waiting', 1, ?2, ?3)",
+                    params![id, enqueued_at, body],
+                )
+                .unwrap();
+            };
+            for it in [&a, &b] {
+                let e = Encoded::new(it, now_ms()).unwrap();
+                w(&e.id, e.enqueued_at, &e.body);
+            }
+            // After both in id order, at a millisecond long before theirs.
+            w("zz-not-a-ulid", 1_000, "{}");
+        }
+        let q = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+        assert!(q.get(a.id).await.unwrap().is_some());
+        assert!(q.get(b.id).await.unwrap().is_some());
+        let odd: i64 = q
+            .read_with(|c| {
+                Ok(c.query_row(
+                    "SELECT seq FROM items WHERE id = 'zz-not-a-ulid'",
+                    [],
+                    |r| r.get(0),
+                )?)
+            })
+            .await
+            .unwrap();
+        assert_eq!(odd, 1_000 << ROW_BITS);
     }
 
     /// A file of schema 3 (`seq` AUTOINCREMENT) opens with every item where it was, in its
