@@ -41,10 +41,25 @@ use crate::{
     WaveEffects, WorkItem, WorkQueue, ITEM_VERSION,
 };
 
+/// A step of the schema: SQL, or Rust where SQL cannot do it.
+enum Step {
+    Sql(&'static str),
+    Rust(fn(&Connection) -> Result<(), rusqlite::Error>),
+}
+
+impl Step {
+    fn apply(&self, c: &Connection) -> Result<(), rusqlite::Error> {
+        match self {
+            Step::Sql(sql) => c.execute_batch(sql),
+            Step::Rust(f) => f(c),
+        }
+    }
+}
+
 /// Each step brings the schema from version `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &[
+const MIGRATIONS: &[Step] = &[
     // 1: items, node state, pauses, done markers, idempotency keys.
-    "CREATE TABLE items (
+    Step::Sql("CREATE TABLE items (
         seq INTEGER PRIMARY KEY AUTOINCREMENT, -- never reused, even after deletes
         id TEXT NOT NULL UNIQUE,               -- the item's ULID
         flow TEXT NOT NULL,
@@ -77,29 +92,29 @@ const MIGRATIONS: &[&str] = &[
         outputs TEXT NOT NULL,
         PRIMARY KEY (item, node, position)
     ) WITHOUT ROWID;
-    CREATE TABLE idempotency (key TEXT PRIMARY KEY, id TEXT NOT NULL, at INTEGER NOT NULL) WITHOUT ROWID;",
+    CREATE TABLE idempotency (key TEXT PRIMARY KEY, id TEXT NOT NULL, at INTEGER NOT NULL) WITHOUT ROWID;"),
     // 2: partial indexes, one per state that is looked up, so a state change touches the
     // index of the state it leaves and of the one it enters, not three indexes over every
     // row (an item's add, claim and ack went from 15 index writes to 5).
-    "DROP INDEX items_order;
+    Step::Sql("DROP INDEX items_order;
     DROP INDEX items_at;
     DROP INDEX items_flow;
     CREATE INDEX items_ready ON items (ord) WHERE st = 'waiting';
     CREATE INDEX items_claimed ON items (since) WHERE st = 'in_flight';
     CREATE INDEX items_parked ON items (flow, ord) WHERE st = 'parked';
     CREATE INDEX items_dead ON items (at) WHERE st = 'dead';
-    CREATE INDEX items_finished ON items (at) WHERE st = 'finished';",
+    CREATE INDEX items_finished ON items (at) WHERE st = 'finished';"),
     // 3: a new item's body holds only what its columns do not (see `Stored`). Nothing to
     // change in the file: bodies written before still read. The version moves so that a
     // weir that knows schema 2 refuses the file instead of reading new bodies as poison.
-    "",
+    Step::Sql(""),
     // 4: `seq` without AUTOINCREMENT, which wrote the largest `seq` to `sqlite_sequence` at
     // every journaled item (about 3 % of the CPU an item in the pipelined queue bench). A
     // new row takes the one after the largest; a `seq` can come back only after the newest
     // row was deleted, and nothing outside a row's own life refers to it (claims carry their
     // lease too, and a row in flight is never deleted). SQLite cannot drop AUTOINCREMENT in
     // place: the table is made again, its rows copied with their `seq`.
-    "CREATE TABLE items_4 (
+    Step::Sql("CREATE TABLE items_4 (
         seq INTEGER PRIMARY KEY,               -- the row; a new one takes the next after the largest
         id TEXT NOT NULL UNIQUE,               -- the item's ULID
         flow TEXT NOT NULL,
@@ -128,26 +143,22 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX items_claimed ON items (since) WHERE st = 'in_flight';
     CREATE INDEX items_parked ON items (flow, ord) WHERE st = 'parked';
     CREATE INDEX items_dead ON items (at) WHERE st = 'dead';
-    CREATE INDEX items_finished ON items (at) WHERE st = 'finished';",
+    CREATE INDEX items_finished ON items (at) WHERE st = 'finished';"),
     // 5: no index of the items in flight. The writer makes every change of state (one engine
     // a file), so it keeps them itself (`InFlight`); the index's newest page was written
     // again by nearly every transaction (a page of the 7 an echo's transaction wrote; without
     // it 1.03x the accepted events a second over fourteen pairs, and 2-3 us less of the
     // writer's CPU an event).
-    "DROP INDEX items_claimed;",
+    Step::Sql("DROP INDEX items_claimed;"),
     // 6: no index of the finished items either. The writer keeps them in the order they
     // finished (`Finished`), for the trim past `FINISHED_KEPT` and the prune of old outcomes;
     // the index's newest page was written again by every transaction that finished an item
     // (1.2 of the 5.6 pages an echo's transaction wrote).
-    "DROP INDEX items_finished;",
+    Step::Sql("DROP INDEX items_finished;"),
     // 7: no index of ids: a row's `seq` is made from its id's time (`rows_of`), so an id is
-    // found among the rows of its millisecond. Made in Rust (`rows_by_id_time`): SQLite
-    // cannot read a ULID's time.
-    "",
+    // found among the rows of its millisecond. In Rust: SQLite cannot read a ULID's time.
+    Step::Rust(rows_by_id_time),
 ];
-
-/// The step that gives every row a `seq` made from its id's time (schema 7).
-const ROWS_BY_ID_TIME: usize = 7;
 
 /// Bits of `seq` below an id's millisecond: rows within one millisecond, in the order
 /// journaled (1,048,576 at most).
@@ -170,8 +181,8 @@ fn rows_of(id: Ulid) -> (i64, i64) {
 
 /// Schema 7's step: the rows copied into a table without the id's `UNIQUE`, each given a
 /// `seq` from its id's time, in the order of their ids.
-fn rows_by_id_time(tx: &rusqlite::Transaction<'_>) -> Result<(), rusqlite::Error> {
-    tx.execute_batch(
+fn rows_by_id_time(c: &Connection) -> Result<(), rusqlite::Error> {
+    c.execute_batch(
         "CREATE TABLE items_7 (
             seq INTEGER PRIMARY KEY,               -- the id's time (ms) << 20, then the rows journaled in it
             id TEXT NOT NULL,                      -- the item's ULID (unique: see `new_row`)
@@ -191,8 +202,8 @@ fn rows_by_id_time(tx: &rusqlite::Transaction<'_>) -> Result<(), rusqlite::Error
         );",
     )?;
     {
-        let mut rows = tx.prepare("SELECT seq, id, enqueued_at FROM items ORDER BY id")?;
-        let mut copy = tx.prepare(
+        let mut rows = c.prepare("SELECT seq, id, enqueued_at FROM items ORDER BY id")?;
+        let mut copy = c.prepare(
             "INSERT INTO items_7 (seq, id, flow, st, ord, due, deliveries, lease, consumer,
                                   since, stepped, reason, at, enqueued_at, body)
                 SELECT ?2, id, flow, st, ord, due, deliveries, lease, consumer,
@@ -222,7 +233,7 @@ fn rows_by_id_time(tx: &rusqlite::Transaction<'_>) -> Result<(), rusqlite::Error
             last.insert(lo, seq);
         }
     }
-    tx.execute_batch(
+    c.execute_batch(
         "DROP TABLE items;
         ALTER TABLE items_7 RENAME TO items;
         CREATE INDEX items_due ON items (due) WHERE st = 'delayed';
@@ -386,8 +397,6 @@ fn decode(body: &str, cols: RowCols<'_>) -> Result<WorkItem, String> {
 struct Encoded {
     id: String,
     ulid: Ulid,
-    /// The rows its id may take (`rows_of`).
-    rows: (i64, i64),
     flow: String,
     /// Not before this time; `None` = ready now.
     due: Option<i64>,
@@ -431,7 +440,6 @@ impl Encoded {
         Ok(Encoded {
             id: id.to_string(),
             ulid: *id,
-            rows: rows_of(*id),
             flow: flow.clone(),
             due: not_before.filter(|&t| t > now),
             deliveries: *deliveries,
@@ -968,11 +976,7 @@ fn migrate(conn: &mut Connection) -> Result<(), QueueError> {
     let started = std::time::Instant::now();
     for (i, step) in MIGRATIONS.iter().enumerate().skip(have as usize) {
         let tx = conn.transaction()?;
-        if i + 1 == ROWS_BY_ID_TIME {
-            rows_by_id_time(&tx)?;
-        } else {
-            tx.execute_batch(step)?;
-        }
+        step.apply(&tx)?;
         tx.pragma_update(None, "user_version", (i + 1) as i64)?;
         tx.commit()?;
         tracing::debug!(version = i + 1, "queue schema migrated");
@@ -1464,7 +1468,7 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
 /// millisecond. `None` when the id was journaled before (an add retried after its answer
 /// was lost): the first is kept.
 fn new_row(c: &Connection, recent: &mut Recent, row: &Encoded) -> Result<Option<i64>, QueueError> {
-    let (lo, hi) = row.rows;
+    let (lo, hi) = rows_of(row.ulid);
     if recent.lo != Some(lo) {
         recent.read(c, lo, hi)?;
     }
@@ -1527,11 +1531,20 @@ impl Recent {
     }
 }
 
+/// The condition that finds the item with an id among its millisecond's rows, with
+/// `by_id`'s parameters.
+const BY_ID: &str = "seq BETWEEN ?1 AND ?2 AND id = ?3";
+
+/// The parameters of `BY_ID` for `id`.
+fn by_id(id: Ulid) -> (i64, i64, String) {
+    let (lo, hi) = rows_of(id);
+    (lo, hi, id.to_string())
+}
+
 /// The row of the item `id`, if it is journaled.
 fn row_of(c: &Connection, id: Ulid) -> Result<Option<i64>, rusqlite::Error> {
-    let (lo, hi) = rows_of(id);
-    c.prepare_cached("SELECT seq FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3")?
-        .query_row(params![lo, hi, id.to_string()], |r| r.get(0))
+    c.prepare_cached(&format!("SELECT seq FROM items WHERE {BY_ID}"))?
+        .query_row(by_id(id), |r| r.get(0))
         .optional()
 }
 
@@ -1741,13 +1754,10 @@ fn view(r: &Row<'_>) -> rusqlite::Result<Result<ItemView, QueueError>> {
 }
 
 fn get_view(c: &Connection, id: Ulid) -> Result<Option<ItemView>, QueueError> {
-    let (lo, hi) = rows_of(id);
-    c.prepare_cached(&format!(
-        "SELECT {ITEM_COLS} FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3"
-    ))?
-    .query_row(params![lo, hi, id.to_string()], view)
-    .optional()?
-    .transpose()
+    c.prepare_cached(&format!("SELECT {ITEM_COLS} FROM items WHERE {BY_ID}"))?
+        .query_row(by_id(id), view)
+        .optional()?
+        .transpose()
 }
 
 fn read_state(c: &Connection, key: &StateKey) -> Result<Versioned, QueueError> {
@@ -1783,10 +1793,9 @@ fn write_state(
 }
 
 fn item_state(c: &Connection, id: Ulid) -> Result<Option<String>, QueueError> {
-    let (lo, hi) = rows_of(id);
     Ok(
-        c.prepare_cached("SELECT st FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3")?
-            .query_row(params![lo, hi, id.to_string()], |r| r.get(0))
+        c.prepare_cached(&format!("SELECT st FROM items WHERE {BY_ID}"))?
+            .query_row(by_id(id), |r| r.get(0))
             .optional()?,
     )
 }
@@ -1902,12 +1911,9 @@ fn commit_wave(
             return Ok(Committed::Done);
         }
     }
-    let (lo, hi) = rows_of(id);
     let owner: Option<(String, i64, i64)> = c
-        .prepare_cached("SELECT st, lease, seq FROM items WHERE seq BETWEEN ?1 AND ?2 AND id = ?3")?
-        .query_row(params![lo, hi, id.to_string()], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-        })
+        .prepare_cached(&format!("SELECT st, lease, seq FROM items WHERE {BY_ID}"))?
+        .query_row(by_id(id), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
         .optional()?;
     let row = match owner {
         Some((st, l, row)) if st == "in_flight" && l == lease as i64 => row,
@@ -3311,7 +3317,7 @@ mod tests {
             let c = Connection::open(&path).unwrap();
             c.execute_batch("PRAGMA journal_mode=WAL").unwrap();
             for step in &MIGRATIONS[..6] {
-                c.execute_batch(step).unwrap();
+                step.apply(&c).unwrap();
             }
             c.pragma_update(None, "user_version", 6).unwrap();
             let w = |id: &str, enqueued_at: i64, body: &str| {
@@ -3359,7 +3365,7 @@ mod tests {
             let c = Connection::open(&path).unwrap();
             c.execute_batch("PRAGMA journal_mode=WAL").unwrap();
             for step in &MIGRATIONS[..3] {
-                c.execute_batch(step).unwrap();
+                step.apply(&c).unwrap();
             }
             c.pragma_update(None, "user_version", 3).unwrap();
             let w = |it: &WorkItem, seq: i64, st: &str| {
