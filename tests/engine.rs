@@ -22,20 +22,29 @@ async fn wait_parked(e: &RunningEngine, n: u64) {
     }
 }
 
+/// The answer goes back, and the message goes on past the nodes that answer and log where
+/// they are wired (they skip their copy of it only where nothing is wired).
 #[tokio::test]
 async fn webhook_echo_is_answered_by_the_wave() {
-    let flow = r#"
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
 nodes:
-  hook: { type: webhook, path: echo, respond: wave, to: [shape] }
+  hook: {{ type: webhook, path: echo, respond: wave, to: [shape] }}
   shape:
     type: function
     script: |
-      msg.payload = #{ echoed: msg.payload.word + "!" };
+      msg.payload = #{{ echoed: msg.payload.word + "!" }};
       msg
     to: [answer]
-  answer: { type: http-response, status: 201, headers: { x-flow: echo } }
-"#;
-    let e = start(&[("echo.yaml", flow)], Failpoints::new()).await;
+  answer: {{ type: http-response, status: 201, headers: {{ x-flow: echo }}, to: [note] }}
+  note: {{ type: log, to: [after, last] }}
+  after: {{ type: http-request, url: "{}" }}
+  last: {{ type: http-response, status: 500 }}
+"#,
+        sink.url("after")
+    );
+    let e = start(&[("echo.yaml", &flow)], Failpoints::new()).await;
     let r = post_json(&e, "echo", json!({"word": "hello"})).await;
     assert_eq!(r.status(), 201);
     assert_eq!(r.headers()["x-flow"], "echo");
@@ -44,6 +53,8 @@ nodes:
         r.json::<Value>().await.unwrap(),
         json!({"echoed": "hello!"})
     );
+    wait_for("the message past the answer", SECS, || sink.count() == 1).await;
+    assert_eq!(sink.bodies(), vec![json!({"echoed": "hello!"})]);
     e.shutdown().await;
 }
 
@@ -316,6 +327,19 @@ nodes:
         reasons.iter().any(|r| r.contains("cannot digest 2")),
         "{reasons:?}"
     );
+    // Each carries the message its node failed on, as it arrived.
+    let inputs: Vec<&Value> = dead
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| &d["item"]["outputs"][0][0]["payload"])
+        .collect();
+    for m in [
+        json!({"n": 2, "poison": true}),
+        json!({"n": 3, "spin": true}),
+    ] {
+        assert!(inputs.contains(&&m), "{m} among {inputs:?}");
+    }
     assert!(
         reasons.iter().any(|r| r.contains("operations")),
         "{reasons:?}"

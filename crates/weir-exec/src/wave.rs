@@ -330,7 +330,6 @@ impl Executor {
                 }
                 None => {
                     f.counts[n].called(&node.kind);
-                    let input = msg.clone();
                     let mut cx = NodeCx::new(
                         &flow.id,
                         &node.id,
@@ -338,10 +337,11 @@ impl Executor {
                         &*self.queue,
                         &mut overlay,
                         &mut out,
-                    );
+                    )
+                    .with_wires_out(!flow.graph.is_leaf(n));
                     let r = match tokio::time::timeout(
                         self.cfg.node_timeout,
-                        node.node.call(input, &mut cx),
+                        node.node.call_borrowed(&msg, &mut cx),
                     )
                     .instrument(tracing::debug_span!("node", node = %node.id, kind = %node.kind))
                     .await

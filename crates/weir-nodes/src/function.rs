@@ -50,9 +50,7 @@ impl NodeFactory for Factory {
                 }
             })
             .register_fn("set", |s: &mut ScriptState, k: &str, v: Dynamic| {
-                let v = rhai::serde::from_dynamic::<Value>(&v)
-                    .ok()
-                    .filter(|v| !v.is_null());
+                let v = from_dynamic(&v).ok().filter(|v| !v.is_null());
                 s.0.lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .1
@@ -92,12 +90,17 @@ impl Node for Function {
     }
 
     async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        self.call_borrowed(&msg, cx).await
+    }
+
+    /// A script reads its input (as a copy in its own values) and returns new messages.
+    async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let state = ScriptState::default();
         if self.uses_state {
             state.0.lock().unwrap_or_else(|p| p.into_inner()).0 = cx.get_all().await?;
         }
         let mut scope = Scope::new();
-        scope.push("msg", to_dynamic(&msg));
+        scope.push("msg", to_dynamic(msg));
         scope.push("state", state.clone());
         let out = script::running(cx, || {
             self.engine

@@ -211,11 +211,26 @@ struct Response {
 #[async_trait::async_trait]
 impl Node for Response {
     async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        self.answer(&msg, cx);
+        Ok(Emit::one(msg))
+    }
+
+    /// The answer takes a copy of the payload; the message goes on only where it is wired.
+    async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        self.answer(msg, cx);
+        Ok(match cx.has_wires_out() {
+            true => Emit::one(msg.clone()),
+            false => Emit::none(),
+        })
+    }
+}
+
+impl Response {
+    fn answer(&self, msg: &Message, cx: &mut NodeCx<'_>) {
         cx.reply(Reply {
             status: self.status,
             headers: self.headers.clone(),
             body: msg.get("payload").cloned().unwrap_or(Value::Null),
         });
-        Ok(Emit::one(msg))
     }
 }

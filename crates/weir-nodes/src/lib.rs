@@ -102,6 +102,16 @@ pub trait Node: Send + Sync {
     }
 
     async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError>;
+
+    /// What the executor calls: `call` with the input borrowed. The executor keeps every
+    /// input until the call has succeeded (a failed call's input is what its retry or its
+    /// dead letter carries), so by default the node is given a copy. A node that only reads
+    /// its input (a script that builds its own messages), or passes it on only where it has
+    /// wires out ([`NodeCx::has_wires_out`]), implements this too, to spare messages that
+    /// copy.
+    async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        self.call(msg.clone(), cx).await
+    }
 }
 
 /// What a node may do besides emitting: read and write its memory through the wave's
@@ -116,6 +126,7 @@ pub struct NodeCx<'a> {
     scheduled: &'a mut Vec<WorkItem>,
     replies: &'a mut Vec<Reply>,
     dead: &'a mut Vec<(WorkItem, String)>,
+    wires_out: bool,
 }
 
 /// What a wave collects from its nodes besides state: items to schedule, replies to post,
@@ -145,7 +156,21 @@ impl<'a> NodeCx<'a> {
             scheduled: &mut out.scheduled,
             replies: &mut out.replies,
             dead: &mut out.dead,
+            wires_out: true,
         }
+    }
+
+    /// Say whether any of the node's output ports is wired to another node (by default,
+    /// yes). The executor says so for every call.
+    pub fn with_wires_out(mut self, wired: bool) -> Self {
+        self.wires_out = wired;
+        self
+    }
+
+    /// Whether anything the node emits reaches another node. A node that passes its input
+    /// on can skip copying it where it would be dropped unread.
+    pub fn has_wires_out(&self) -> bool {
+        self.wires_out
     }
 
     /// Whether this call is a `flush` item's (a node releasing what it held back), rather

@@ -49,12 +49,27 @@ struct Log {
 #[async_trait::async_trait]
 impl Node for Log {
     async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
-        let item = cx.item.id.to_string();
-        match self.level {
-            Level::Debug => tracing::debug!(flow = cx.flow, node = cx.node, item, %msg, "log"),
-            Level::Info => tracing::info!(flow = cx.flow, node = cx.node, item, %msg, "log"),
-            Level::Warn => tracing::warn!(flow = cx.flow, node = cx.node, item, %msg, "log"),
-        }
+        self.log(&msg, cx);
         Ok(Emit::one(msg))
+    }
+
+    /// The message goes on only where it is wired.
+    async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
+        self.log(msg, cx);
+        Ok(match cx.has_wires_out() {
+            true => Emit::one(msg.clone()),
+            false => Emit::none(),
+        })
+    }
+}
+
+impl Log {
+    fn log(&self, msg: &Message, cx: &NodeCx<'_>) {
+        let item = cx.item.id;
+        match self.level {
+            Level::Debug => tracing::debug!(flow = cx.flow, node = cx.node, %item, %msg, "log"),
+            Level::Info => tracing::info!(flow = cx.flow, node = cx.node, %item, %msg, "log"),
+            Level::Warn => tracing::warn!(flow = cx.flow, node = cx.node, %item, %msg, "log"),
+        }
     }
 }

@@ -138,13 +138,83 @@ pub fn compile(
     })
 }
 
+/// A message's JSON as a script's value: null is `()`, an integer that fits `i64` an
+/// integer and any other number a float, an object a map. What `rhai::serde::to_dynamic`
+/// makes of it, built directly (it runs for every message a script sees): through serde it
+/// cost more calls and copies. Maps are filled by insertion, not collected: a collected
+/// `BTreeMap` is sorted in a buffer first, which costs more than inserting a message's few
+/// keys, already in order.
 pub fn to_dynamic(v: &Value) -> Dynamic {
-    rhai::serde::to_dynamic(v).unwrap_or(Dynamic::UNIT)
+    match v {
+        Value::Null => Dynamic::UNIT,
+        Value::Bool(b) => Dynamic::from_bool(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => Dynamic::from_int(i),
+            // A u64 past i64::MAX, or a float.
+            None => Dynamic::from_float(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => Dynamic::from(rhai::ImmutableString::from(s.as_str())),
+        Value::Array(a) => Dynamic::from_array(a.iter().map(to_dynamic).collect()),
+        Value::Object(o) => {
+            let mut m = rhai::Map::new();
+            for (k, v) in o {
+                m.insert(k.as_str().into(), to_dynamic(v));
+            }
+            Dynamic::from_map(m)
+        }
+    }
 }
 
+/// A script's value as JSON, as `rhai::serde::from_dynamic` makes it (a char is a string, a
+/// float that is not finite is null), built directly for the values JSON has. Anything else
+/// in it (a blob, a timestamp, a function pointer, a value shared with a closure, a Rust
+/// type) sends the whole value through serde, so its result or its error is serde's.
 pub fn from_dynamic(d: &Dynamic) -> Result<Value, NodeError> {
-    rhai::serde::from_dynamic::<Value>(d)
-        .map_err(|e| NodeError::Permanent(format!("script returned a value that is not JSON: {e}")))
+    match json_of(d) {
+        Some(v) => Ok(v),
+        None => rhai::serde::from_dynamic::<Value>(d).map_err(|e| {
+            NodeError::Permanent(format!("script returned a value that is not JSON: {e}"))
+        }),
+    }
+}
+
+/// [`from_dynamic`]'s direct way, or `None` where the value holds anything but JSON's kinds.
+/// Each kind is asked with `is_*` before it is read: a failed `as_*` names the type it found,
+/// which costs more than the whole conversion of a small value.
+fn json_of(d: &Dynamic) -> Option<Value> {
+    if d.is_shared() {
+        None
+    } else if d.is_unit() {
+        Some(Value::Null)
+    } else if d.is_string() {
+        let s = d.as_immutable_string_ref().ok()?;
+        Some(Value::String(s.as_str().to_owned()))
+    } else if d.is_map() {
+        let m = d.as_map_ref().ok()?;
+        let mut o = serde_json::Map::new();
+        for (k, v) in m.iter() {
+            o.insert(k.as_str().to_owned(), json_of(v)?);
+        }
+        Some(Value::Object(o))
+    } else if d.is_int() {
+        Some(Value::from(d.as_int().ok()?))
+    } else if d.is_float() {
+        let f = d.as_float().ok()?;
+        Some(serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number))
+    } else if d.is_bool() {
+        Some(Value::Bool(d.as_bool().ok()?))
+    } else if d.is_array() {
+        let a = d.as_array_ref().ok()?;
+        let mut out = Vec::with_capacity(a.len());
+        for v in a.iter() {
+            out.push(json_of(v)?);
+        }
+        Some(Value::Array(out))
+    } else if d.is_char() {
+        Some(Value::String(d.as_char().ok()?.to_string()))
+    } else {
+        None
+    }
 }
 
 /// Turn a script failure into the node error it means for the message.
@@ -315,6 +385,66 @@ mod tests {
         assert!(f.contains("not found"), "{f}");
         let i = fails_with(r#"import "/etc/passwd" as p; 1"#);
         assert!(i.to_lowercase().contains("module"), "{i}");
+    }
+
+    /// The direct conversions give what rhai's serde gives, value for value, both ways; what
+    /// JSON has no kind for fails as it does through serde.
+    #[test]
+    fn messages_convert_as_serde_converts_them() {
+        let values = [
+            json!(null),
+            json!(true),
+            json!(0),
+            json!(-7),
+            json!(i64::MAX),
+            json!(i64::MIN),
+            json!(u64::MAX),
+            json!(21.5),
+            json!(-0.0),
+            json!(1e300),
+            json!(""),
+            json!("kitchen ünïcode and a string longer than twenty-three bytes"),
+            json!([]),
+            json!([1, "two", 3.5, null, [false], {"k": {}}]),
+            json!({}),
+            json!({"payload": {"temperature": 21.5, "room": "kitchen", "tags": ["a", 1]}, "topic": "t"}),
+        ];
+        for v in &values {
+            let ours = to_dynamic(v);
+            let serde = rhai::serde::to_dynamic(v).unwrap();
+            assert_eq!(format!("{ours:?}"), format!("{serde:?}"), "to_dynamic({v})");
+            assert_eq!(ours.type_name(), serde.type_name(), "to_dynamic({v})");
+            // Back as serde brings it back (u64::MAX became a float both ways).
+            let back = rhai::serde::from_dynamic::<Value>(&serde).unwrap();
+            assert_eq!(from_dynamic(&ours).unwrap(), back, "back from {ours:?}");
+        }
+        // Values only a script makes: each gives serde's JSON, or fails where serde fails.
+        let e = engine();
+        let scripts = [
+            "'c'",
+            "1.0 / 0.0",
+            "0.0 / 0.0",
+            "[1, 'x', #{a: ()}]",
+            "#{a: 'b', n: [1.5, 2]}",
+            "blob(3)",
+            "timestamp()",
+            "Fn(\"f\")",
+            "let x = 1; let f = || x; x",
+            "let m = #{a: 1}; let f = || m; [m, 2]",
+            "[1, blob(1)]",
+            "#{t: timestamp()}",
+        ];
+        let made = scripts.map(|src| (src, e.eval::<Dynamic>(src).expect(src)));
+        // A value shared with a closure (a script's own result comes out unshared).
+        let shared = ("a shared value", Dynamic::from_int(1).into_shared());
+        for (src, d) in made.into_iter().chain([shared]) {
+            let serde = rhai::serde::from_dynamic::<Value>(&d);
+            match (from_dynamic(&d), serde) {
+                (Ok(ours), Ok(theirs)) => assert_eq!(ours, theirs, "{src}"),
+                (Err(NodeError::Permanent(m)), Err(_)) => assert!(m.contains("not JSON"), "{m}"),
+                (ours, theirs) => panic!("{src}: ours {ours:?}, serde's {theirs:?}"),
+            }
+        }
     }
 
     #[test]
