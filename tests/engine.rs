@@ -581,6 +581,36 @@ nodes:
     e.shutdown().await;
 }
 
+/// A script keeps what it writes to its memory however it names `state`: as the argument of
+/// `get` and `set`, or through a variable it assigned `state` to, not only as `state.set`.
+#[tokio::test]
+async fn state_reached_any_way_is_kept() {
+    let flow = r#"
+nodes:
+  hook: { type: webhook, path: count, respond: wave, to: [count] }
+  count:
+    type: function
+    script: |
+      let mine = state;
+      let n = get(mine, "n");
+      if n == () { n = 0; }
+      set(state, "n", n + 1);
+      msg.payload = n + 1;
+      msg
+    to: [answer]
+  answer: { type: http-response }
+"#;
+    let e = start(&[("count.yaml", flow)], Failpoints::new()).await;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let r = post_json(&e, "count", json!(null)).await;
+        assert_eq!(r.status(), 200);
+        got.push(r.json::<Value>().await.unwrap());
+    }
+    assert_eq!(got, vec![json!(1), json!(2), json!(3)]);
+    e.shutdown().await;
+}
+
 /// A burst over two flows let go at once (a resume): each flow's waves start in journal
 /// order, whether a wave found a free place at once or waited behind others of its flow, so a
 /// one-at-a-time flow delivers in order and a stateful node sees its messages in order.

@@ -65,7 +65,7 @@ impl NodeFactory for Factory {
             .unwrap_or(weir_flow::Style::Plain);
         let ast =
             script::compile(&engine, &c.script, c.script.pos, style, false).map_err(|e| vec![e])?;
-        let uses_state = c.script.contains("state.");
+        let uses_state = names(&c.script, "state");
         Ok(Built {
             node: Arc::new(Function {
                 engine,
@@ -96,12 +96,13 @@ impl Node for Function {
     /// A script reads its input (as a copy in its own values) and returns new messages.
     async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let state = ScriptState::default();
-        if self.uses_state {
-            state.0.lock().unwrap_or_else(|p| p.into_inner()).0 = cx.get_all().await?;
-        }
         let mut scope = Scope::new();
         scope.push("msg", to_dynamic(msg));
-        scope.push("state", state.clone());
+        // A script that never names `state` cannot reach it: it gets none to carry.
+        if self.uses_state {
+            state.0.lock().unwrap_or_else(|p| p.into_inner()).0 = cx.get_all().await?;
+            scope.push("state", state.clone());
+        }
         let out = script::running(cx, || {
             self.engine
                 .eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
@@ -131,6 +132,18 @@ impl Node for Function {
     }
 }
 
+/// Whether `script` names `word` as a whole word anywhere (in code, a string or a comment).
+/// A script reaches its node's memory as `state.get(k)`, as `get(state, k)`, or through a
+/// variable it assigns `state` to: all of them name it, and a script that names it only in
+/// a comment is taken as stateful too, which costs it only running one call at a time.
+fn names(script: &str, word: &str) -> bool {
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    script.match_indices(word).any(|(at, _)| {
+        !script[..at].chars().next_back().is_some_and(ident)
+            && !script[at + word.len()..].chars().next().is_some_and(ident)
+    })
+}
+
 fn check_message(m: &Value) -> Result<(), NodeError> {
     if m.is_object() {
         Ok(())
@@ -138,5 +151,31 @@ fn check_message(m: &Value) -> Result<(), NodeError> {
         Err(NodeError::Permanent(format!(
             "a script returns a message (a map such as #{{payload: 1}}), an array of them or (); it returned {m}"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names;
+
+    #[test]
+    fn a_script_names_state_as_a_whole_word() {
+        for yes in [
+            "state.get(\"n\")",
+            "get(state, \"n\")",
+            "let s = state; s.set(\"n\", 1)",
+            "msg // keeps no state",
+            "(state)",
+        ] {
+            assert!(names(yes, "state"), "{yes}");
+        }
+        for no in [
+            "msg",
+            "msg.payload.statement = 1; msg",
+            "let my_state = 1; msg",
+            "restate",
+        ] {
+            assert!(!names(no, "state"), "{no}");
+        }
     }
 }

@@ -46,6 +46,10 @@ struct Hook {
 
 type Table = HashMap<String, Vec<Hook>>;
 
+/// Header names known at build time, so no request parses them again.
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+const X_WEIR_ITEM: HeaderName = HeaderName::from_static("x-weir-item");
+
 /// The webhook routes now in force; [`Routes::rebuild`] swaps in a new flow set's (reload).
 #[derive(Clone, Default)]
 pub struct Routes(Arc<std::sync::RwLock<Arc<Table>>>);
@@ -174,12 +178,13 @@ async fn accept(
         Ok(p) => p,
         Err(r) => return r,
     };
+    let cause = ["webhook:", &path].concat();
     let msg = json!({ "payload": payload, "topic": path });
-    let item = WorkItem::cascade(&hook.flow, &hook.node, format!("webhook:{path}"), vec![msg]);
+    let item = WorkItem::cascade(&hook.flow, &hook.node, cause, vec![msg]);
     let id = item.id;
     // A wave started here: run below, in this task, until its reply.
     let mut wave = None;
-    let added = match headers.get("idempotency-key").and_then(|v| v.to_str().ok()) {
+    let added = match headers.get(IDEMPOTENCY_KEY).and_then(|v| v.to_str().ok()) {
         Some(key) => {
             let key = format!("{}:{}:{key}", hook.flow, hook.node);
             s.queue.add_idempotent(&key, item).await.map(|(id, _)| id)
@@ -249,9 +254,11 @@ async fn accept(
                     r.headers_mut().insert(k, v);
                 }
             }
+            let mut text = [0; ulid::ULID_LEN];
             r.headers_mut().insert(
-                "x-weir-item",
-                HeaderValue::try_from(id.to_string()).unwrap_or(HeaderValue::from_static("")),
+                X_WEIR_ITEM,
+                HeaderValue::from_str(id.array_to_str(&mut text))
+                    .unwrap_or(HeaderValue::from_static("")),
             );
             r
         }
@@ -308,7 +315,7 @@ pub fn decode(headers: &HeaderMap, bytes: &[u8]) -> Result<Value, Response> {
         return Ok(Value::Null);
     }
     let ct = headers
-        .get("content-type")
+        .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_ascii_lowercase();
