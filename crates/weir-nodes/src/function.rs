@@ -95,20 +95,24 @@ impl Node for Function {
 
     /// A script reads its input (as a copy in its own values) and returns new messages.
     async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
-        let state = ScriptState::default();
         let mut scope = Scope::new();
         scope.push("msg", to_dynamic(msg));
         // A script that never names `state` cannot reach it: it gets none to carry.
-        if self.uses_state {
-            state.0.lock().unwrap_or_else(|p| p.into_inner()).0 = cx.get_all().await?;
-            scope.push("state", state.clone());
-        }
+        let state = match self.uses_state {
+            true => {
+                let state = ScriptState::default();
+                state.0.lock().unwrap_or_else(|p| p.into_inner()).0 = cx.get_all().await?;
+                scope.push("state", state.clone());
+                Some(state)
+            }
+            false => None,
+        };
         let out = script::running(cx, || {
             self.engine
                 .eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
         })
         .map_err(run_error)?;
-        if self.uses_state {
+        if let Some(state) = state {
             let writes = std::mem::take(&mut state.0.lock().unwrap_or_else(|p| p.into_inner()).1);
             for (k, v) in writes {
                 cx.set(&k, v).await?;

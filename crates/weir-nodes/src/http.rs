@@ -218,10 +218,7 @@ impl Node for Response {
     /// The answer takes a copy of the payload; the message goes on only where it is wired.
     async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         self.answer(msg, cx);
-        Ok(match cx.has_wires_out() {
-            true => Emit::one(msg.clone()),
-            false => Emit::none(),
-        })
+        Ok(cx.pass_on(msg))
     }
 }
 

@@ -173,6 +173,15 @@ impl<'a> NodeCx<'a> {
         self.wires_out
     }
 
+    /// A borrowed input passed on unchanged on port 0: copied where the node has wires out,
+    /// nothing where it would be dropped unread.
+    pub fn pass_on(&self, msg: &Message) -> Emit {
+        match self.wires_out {
+            true => Emit::one(msg.clone()),
+            false => Emit::none(),
+        }
+    }
+
     /// Whether this call is a `flush` item's (a node releasing what it held back), rather
     /// than a message arriving.
     pub fn is_flush(&self) -> bool {

@@ -56,10 +56,7 @@ impl Node for Log {
     /// The message goes on only where it is wired.
     async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         self.log(msg, cx);
-        Ok(match cx.has_wires_out() {
-            true => Emit::one(msg.clone()),
-            false => Emit::none(),
-        })
+        Ok(cx.pass_on(msg))
     }
 }
 
