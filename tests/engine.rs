@@ -82,6 +82,85 @@ nodes:
     e.shutdown().await;
 }
 
+/// A `respond: wave` request whose wave ends with no answer and nothing left that could
+/// answer it later is told so once the wave is committed, not with a 504 at its timeout
+/// (20 s here: a 504 would fail each assertion on the status): 500 naming the dead letters
+/// when the wave failed, whole or where a node failed, 502 when it ended without reaching an
+/// `http-response`. A wave that leaves a delay behind still waits (the test above).
+#[tokio::test]
+async fn respond_wave_whose_wave_ends_unanswered_is_told_at_once() {
+    let flow = r#"
+nodes:
+  failing: { type: webhook, path: failing, respond: wave, timeout: 20s, to: [check] }
+  dropping: { type: webhook, path: dropping, respond: wave, timeout: 20s, to: [which] }
+  looping: { type: webhook, path: looping, respond: wave, timeout: 20s, to: [a] }
+  check:
+    type: function
+    script: |
+      if msg.payload.poison == true { throw "cannot digest " + msg.payload.n; }
+      msg
+    to: [answer]
+  which:
+    type: switch
+    rules:
+      - if: msg.payload.n > 10
+        to: [answer]
+  a: { type: set, set: { payload.x: 1 }, to: [b] }
+  b: { type: set, set: { payload.y: 2 }, to: [a] }
+  answer: { type: http-response }
+"#;
+    let e = start(&[("unanswered.yaml", flow)], Failpoints::new()).await;
+    // Answered as ever when the wave reaches its http-response.
+    let r = post_json(&e, "failing", json!({"n": 1})).await;
+    assert_eq!(r.status(), 200);
+    let r = post_json(&e, "dropping", json!({"n": 11})).await;
+    assert_eq!(r.status(), 200);
+
+    // A node fails permanently: its input is dead-lettered and the request hears which.
+    let r = post_json(&e, "failing", json!({"n": 2, "poison": true})).await;
+    assert_eq!(r.status(), 500);
+    let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["id"], id.as_str(), "{body}");
+    let error = body["error"].as_str().unwrap();
+    assert!(error.contains("cannot digest 2"), "{body}");
+    let dead = body["dead_letters"][0].as_str().unwrap();
+    let item = get_json(&e, &format!("/api/items/{dead}")).await;
+    assert_eq!(item["state"], "dead", "the dead letter is kept: {item}");
+    assert_eq!(
+        item["item"]["outputs"][0][0]["payload"]["n"], 2,
+        "with the input it failed on: {item}"
+    );
+    wait_finished(&e, &id).await;
+
+    // The whole wave dead-letters (a loop past the step bound): the item itself is named.
+    let r = post_json(&e, "looping", json!({})).await;
+    assert_eq!(r.status(), 500);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["error"].as_str().unwrap().contains("step bound"),
+        "{body}"
+    );
+    assert_eq!(body["dead_letters"][0], body["id"], "{body}");
+    let item = get_json(&e, &format!("/api/items/{}", body["id"].as_str().unwrap())).await;
+    assert_eq!(item["state"], "dead", "{item}");
+
+    // Nothing failed, nothing answered: the switch dropped the message.
+    let r = post_json(&e, "dropping", json!({"n": 3})).await;
+    assert_eq!(r.status(), 502);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("without reaching an http-response"),
+        "{body}"
+    );
+    assert!(body.get("dead_letters").is_none(), "{body}");
+    wait_finished(&e, body["id"].as_str().unwrap()).await;
+    e.shutdown().await;
+}
+
 #[tokio::test]
 async fn switch_routes_by_rule_and_else() {
     let sink = Sink::start().await;

@@ -149,6 +149,8 @@ pub struct FlowRt {
     /// The flow's Prometheus series, by end (see [`FlowRt::ended`]).
     ended: [std::sync::OnceLock<metrics::Counter>; 4],
     wave_seconds: std::sync::OnceLock<metrics::Histogram>,
+    /// The flow's `respond: wave` webhooks, whose requests wait for their wave's answer.
+    answering: Box<[String]>,
 }
 
 /// A node's calls and failures in this engine since its flow was loaded (the dashboard's
@@ -175,7 +177,16 @@ impl NodeCounts {
 impl FlowRt {
     pub fn new(flow: LoadedFlow) -> Self {
         let n = flow.nodes.len();
+        let answering = flow
+            .nodes
+            .iter()
+            .filter(|n| {
+                matches!(n.node.trigger(), Some(weir_nodes::Trigger::Webhook(w)) if w.respond_wave)
+            })
+            .map(|n| n.id.clone())
+            .collect();
         FlowRt {
+            answering,
             permits: Arc::new(Semaphore::new(flow.concurrency)),
             tails: (0..n).map(|_| Mutex::new(None)).collect(),
             counts: (0..n).map(|_| NodeCounts::default()).collect(),

@@ -87,6 +87,13 @@ impl Executor {
                     self.post_replies(&c, std::mem::take(&mut extras.replies), &mut replied)
                         .await;
                 }
+                // A waiting request whose first wave ends with no answer and nothing left to
+                // answer it later is told so after the commit, not at its timeout.
+                if extras.replies.is_empty() && !replied {
+                    if let Some(r) = flow.as_deref().and_then(|f| unanswered(f, &c.item, &fx)) {
+                        extras.replies.push(r);
+                    }
+                }
                 if let Err(e) = self.account_run(&c.item, &mut fx, extras.reached).await {
                     tracing::warn!(flow = %c.item.flow, item = %c.item.id, error = %e, "cannot read the run's record; the item will be redelivered");
                     return;
@@ -504,6 +511,57 @@ impl Executor {
             ..WaveEffects::ending(End::Ack)
         }
     }
+}
+
+/// The answer to a `respond: wave` request whose wave is ending without one: its first wave
+/// (not a retry's, a delay's or a follow-up's), started at a `respond: wave` webhook, that
+/// leaves no item behind that could still reach an `http-response` (no retry, no delay, no
+/// follow-up). A wave that dead-letters, whole or where a node failed, gets 500 with the
+/// reasons and the dead letters' ids; one that ends without reaching an `http-response` (a
+/// switch that dropped the message, say) gets 502. Either way the body names the item, as
+/// the 504 of a timeout does. `None` for every other wave.
+fn unanswered(f: &FlowRt, item: &WorkItem, fx: &WaveEffects) -> Option<Reply> {
+    if item.origin_id.is_some()
+        || !fx.follow_ups.is_empty()
+        || !fx.delayed.is_empty()
+        || !f.answering.contains(&item.node)
+    {
+        return None;
+    }
+    let (status, error, dead): (u16, String, Vec<String>) = match &fx.end {
+        Some(End::DeadLetter(why)) => (
+            500,
+            format!("the wave failed and its event was dead-lettered: {why}"),
+            vec![item.id.to_string()],
+        ),
+        Some(End::Ack) if !fx.dead.is_empty() => (
+            500,
+            format!(
+                "the wave failed before an http-response and was dead-lettered where it failed: {}",
+                fx.dead
+                    .iter()
+                    .map(|(_, why)| why.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+            fx.dead.iter().map(|(d, _)| d.id.to_string()).collect(),
+        ),
+        Some(End::Ack) => (
+            502,
+            "the wave ended without reaching an http-response node".to_string(),
+            Vec::new(),
+        ),
+        _ => return None,
+    };
+    let mut body = serde_json::json!({ "id": item.id.to_string(), "error": error });
+    if !dead.is_empty() {
+        body["dead_letters"] = dead.into();
+    }
+    Some(Reply {
+        status,
+        headers: Vec::new(),
+        body,
+    })
 }
 
 /// Runs (DESIGN §8) keep their record in the flow's node memory under this pseudo-node.
