@@ -632,7 +632,7 @@ impl Waiter {
 }
 
 type Answer = Result<Box<dyn Any + Send>, QueueError>;
-type Run = Box<dyn FnOnce(&Connection, &mut Writer) -> Answer + Send>;
+type Run = Box<dyn FnOnce(&Db<'_>, &mut Writer) -> Answer + Send>;
 
 enum Job {
     Run {
@@ -865,7 +865,7 @@ impl SqliteQueue {
     /// Run `f` on the writer, in the next batch; the answer comes once that batch is durable.
     async fn write<R: Send + 'static>(
         &self,
-        f: impl FnOnce(&Connection, &mut Writer) -> Result<R, QueueError> + Send + 'static,
+        f: impl FnOnce(&Db<'_>, &mut Writer) -> Result<R, QueueError> + Send + 'static,
     ) -> Result<R, QueueError> {
         self.write_as(Wait::Other, f).await
     }
@@ -874,7 +874,7 @@ impl SqliteQueue {
     async fn write_as<R: Send + 'static>(
         &self,
         what: Wait,
-        f: impl FnOnce(&Connection, &mut Writer) -> Result<R, QueueError> + Send + 'static,
+        f: impl FnOnce(&Db<'_>, &mut Writer) -> Result<R, QueueError> + Send + 'static,
     ) -> Result<R, QueueError> {
         let (reply, rx) = oneshot::channel();
         let run: Run = Box::new(move |c, w| f(c, w).map(|r| Box::new(r) as Box<dyn Any + Send>));
@@ -1034,18 +1034,105 @@ fn migrate(conn: &mut Connection) -> Result<(), QueueError> {
     Ok(())
 }
 
-/// Run one of the writer's statements that return no rows (BEGIN, COMMIT, ROLLBACK),
-/// prepared at its first use and kept.
-fn run_cached(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
-    conn.prepare_cached(sql)?.execute([]).map(drop)
+/// The writer's connection, with the statements of its hot path kept prepared by the
+/// address of their text ([`Db::cached`]). rusqlite's own statement cache, which the
+/// other statements use, finds one by hashing its whole text, copies the text into a new
+/// key at each use, and moves the statement out of its LRU list and back: about 750
+/// instructions a use, 4 to 8 uses a request, on the thread every durable write waits for.
+struct Db<'c> {
+    conn: &'c Connection,
+    kept: std::cell::RefCell<Vec<(&'static str, Option<rusqlite::Statement<'c>>)>>,
+}
+
+impl<'c> Db<'c> {
+    fn new(conn: &'c Connection) -> Self {
+        Db {
+            conn,
+            kept: Default::default(),
+        }
+    }
+
+    /// The statement for `sql`, prepared at its first use and kept while the writer runs.
+    /// `sql` is a constant: it is known by its address. A statement in use already (one
+    /// call inside another) is prepared again for the inner call, and that one is dropped.
+    fn cached(&self, sql: &'static str) -> rusqlite::Result<Kept<'_, 'c>> {
+        let stmt = {
+            let mut kept = self.kept.borrow_mut();
+            match kept.iter_mut().find(|(k, _)| std::ptr::eq(*k, sql)) {
+                Some((_, s)) => s.take(),
+                None => {
+                    kept.push((sql, None));
+                    None
+                }
+            }
+        };
+        let stmt = match stmt {
+            Some(s) => s,
+            None => self
+                .conn
+                .prepare_with_flags(sql, rusqlite::PrepFlags::SQLITE_PREPARE_PERSISTENT)?,
+        };
+        Ok(Kept {
+            db: self,
+            sql,
+            stmt: Some(stmt),
+        })
+    }
+
+    /// Run one of the writer's statements that return no rows (BEGIN, COMMIT, ROLLBACK).
+    fn run(&self, sql: &'static str) -> rusqlite::Result<()> {
+        self.cached(sql)?.execute([]).map(drop)
+    }
+}
+
+impl std::ops::Deref for Db<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
+
+/// A statement of [`Db::cached`], given back to it when dropped. rusqlite resets a
+/// statement after each `execute` and when the rows of a query are dropped, and every use
+/// binds all its parameters: nothing of one use is left for the next.
+struct Kept<'d, 'c> {
+    db: &'d Db<'c>,
+    sql: &'static str,
+    stmt: Option<rusqlite::Statement<'c>>,
+}
+
+impl<'c> std::ops::Deref for Kept<'_, 'c> {
+    type Target = rusqlite::Statement<'c>;
+
+    fn deref(&self) -> &Self::Target {
+        self.stmt.as_ref().expect("a kept statement until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Kept<'_, '_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.stmt.as_mut().expect("a kept statement until dropped")
+    }
+}
+
+impl Drop for Kept<'_, '_> {
+    fn drop(&mut self) {
+        let mut kept = self.db.kept.borrow_mut();
+        if let Some((_, slot @ None)) = kept.iter_mut().find(|(k, _)| std::ptr::eq(*k, self.sql)) {
+            *slot = self.stmt.take();
+        }
+    }
 }
 
 fn write_loop(
-    conn: Connection,
+    owned: Connection,
     rx: mpsc::Receiver<Msg>,
     mut w: Writer,
     counter: &std::sync::atomic::AtomicU64,
 ) {
+    // Dropped before the connection it borrows, its statements with it.
+    let conn = Db::new(&owned);
     let mut batches: u64 = 0;
     let mut closing = false;
     while !closing {
@@ -1081,7 +1168,7 @@ fn write_loop(
         if batch.is_empty() && !due {
             continue;
         }
-        if let Err(e) = run_cached(&conn, "BEGIN IMMEDIATE") {
+        if let Err(e) = conn.run("BEGIN IMMEDIATE") {
             let e = QueueError::from(e).to_string();
             for j in batch {
                 match j {
@@ -1177,7 +1264,7 @@ fn write_loop(
                 "failpoint `sqlite-batch` fired".into(),
             ))
         } else {
-            run_cached(&conn, "COMMIT").map_err(QueueError::from)
+            conn.run("COMMIT").map_err(QueueError::from)
         };
         let fsynced = commit_started.elapsed();
         let rolled_back = committed.is_err();
@@ -1206,7 +1293,7 @@ fn write_loop(
                 }
             }
             Err(e) => {
-                let _ = run_cached(&conn, "ROLLBACK");
+                let _ = conn.run("ROLLBACK");
                 tracing::error!(error = %e, members = held.len(), "queue commit failed; every member of the batch is told");
                 for h in held {
                     match h {
@@ -1351,12 +1438,7 @@ fn expire_waiters(w: &mut Writer) {
 
 /// Answer the waiting claimers that were given items in this transaction (`insert_all`),
 /// and claim what is ready for them, oldest claimer first, until nothing is left.
-fn serve_waiters(
-    conn: &Connection,
-    w: &mut Writer,
-    held: &mut Vec<Held>,
-    poison: &mut Option<String>,
-) {
+fn serve_waiters(conn: &Db<'_>, w: &mut Writer, held: &mut Vec<Held>, poison: &mut Option<String>) {
     let waiting = std::mem::take(&mut w.waiters);
     let mut rest = Vec::new();
     let mut dry = false;
@@ -1420,8 +1502,8 @@ const DELETE_FINISHED_SQL: &str = "DELETE FROM items WHERE seq = ?1 AND st = 'fi
 /// Delete the oldest finished items past the newest `FINISHED_KEPT`, inside the writer's
 /// transaction: the items a batch finishes are matched by about as many deletes in the same
 /// batch, in chunks, so the cost is spread evenly instead of one long delete now and then.
-fn trim_finished(c: &Connection, w: &mut Writer) -> Result<(), QueueError> {
-    let mut del = c.prepare_cached(DELETE_FINISHED_SQL)?;
+fn trim_finished(c: &Db<'_>, w: &mut Writer) -> Result<(), QueueError> {
+    let mut del = c.cached(DELETE_FINISHED_SQL)?;
     // At most two chunks a batch: a backlog (a file opened with many more) goes down
     // over the next batches.
     for _ in 0..2 {
@@ -1450,7 +1532,7 @@ fn prune(conn: &Connection) -> Result<(), rusqlite::Error> {
 
 // ---- the writer's operations: plain functions over a connection inside a transaction ----
 
-fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueError> {
+fn insert(c: &Db<'_>, w: &mut Writer, row: &Encoded) -> Result<(), QueueError> {
     insert_all(c, w, std::slice::from_ref(row))
 }
 
@@ -1462,8 +1544,8 @@ fn insert(c: &Connection, w: &mut Writer, row: &Encoded) -> Result<(), QueueErro
 /// of the whole row by `claim_ready`. It is what that claim would have taken, in the same
 /// order: nothing else was ready, the oldest claimer with room gets it, and once one row
 /// has gone to the ready order the rest follow it there.
-fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), QueueError> {
-    let mut ins = c.prepare_cached(
+fn insert_all(c: &Db<'_>, w: &mut Writer, rows: &[Encoded]) -> Result<(), QueueError> {
+    let mut ins = c.cached(
         "INSERT INTO items (seq, id, flow, st, ord, due, deliveries, enqueued_at, body)
          VALUES (?9, ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )?;
@@ -1484,7 +1566,7 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
                     if let Some(x) = w.waiters.iter().position(Waiter::has_room) {
                         let ins = match &mut ins_claimed {
                             Some(s) => s,
-                            None => ins_claimed.insert(c.prepare_cached(INSERT_CLAIMED_SQL)?),
+                            None => ins_claimed.insert(c.cached(INSERT_CLAIMED_SQL)?),
                         };
                         insert_claimed(ins, seq, w, x, row)?;
                         continue;
@@ -1516,7 +1598,7 @@ fn insert_all(c: &Connection, w: &mut Writer, rows: &[Encoded]) -> Result<(), Qu
 /// The row a new item takes (`rows_of` its id): the one after the largest of its id's
 /// millisecond. `None` when the id was journaled before (an add retried after its answer
 /// was lost): the first is kept.
-fn new_row(c: &Connection, recent: &mut Recent, row: &Encoded) -> Result<Option<i64>, QueueError> {
+fn new_row(c: &Db<'_>, recent: &mut Recent, row: &Encoded) -> Result<Option<i64>, QueueError> {
     let (lo, hi) = rows_of(row.ulid);
     if recent.lo != Some(lo) {
         recent.read(c, lo, hi)?;
@@ -1549,11 +1631,11 @@ struct Recent {
 }
 
 impl Recent {
-    fn read(&mut self, c: &Connection, lo: i64, hi: i64) -> Result<(), rusqlite::Error> {
+    fn read(&mut self, c: &Db<'_>, lo: i64, hi: i64) -> Result<(), rusqlite::Error> {
         self.lo = None;
         self.last = None;
         self.ids.clear();
-        let mut q = c.prepare_cached("SELECT seq, id FROM items WHERE seq BETWEEN ?1 AND ?2")?;
+        let mut q = c.cached("SELECT seq, id FROM items WHERE seq BETWEEN ?1 AND ?2")?;
         let mut rows = q.query([lo, hi])?;
         while let Some(r) = rows.next()? {
             let seq: i64 = r.get(0)?;
@@ -1605,7 +1687,7 @@ const INSERT_CLAIMED_SQL: &str = "INSERT INTO items
 /// Journal `row` in flight at `seq` (with `ins`, `INSERT_CLAIMED_SQL`), claimed for the
 /// waiting claimer `w.waiters[x]`.
 fn insert_claimed(
-    ins: &mut rusqlite::CachedStatement<'_>,
+    ins: &mut rusqlite::Statement<'_>,
     seq: i64,
     w: &mut Writer,
     x: usize,
@@ -1672,7 +1754,7 @@ impl Drop for Unreceived {
 
 /// Journal `x.row` in flight for `x.consumer` when nothing else is ready, so it passes
 /// nothing in the ready order; otherwise journal it ready, as `add` does.
-fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnswer {
+fn add_claimed(c: &Db<'_>, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnswer {
     if w.ready >= x.max_ready {
         return Err(QueueError::Full(w.ready.max(0) as usize));
     }
@@ -1687,7 +1769,7 @@ fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnsw
     };
     w.ord += 1;
     let lease = w.lease + 1;
-    let mut ins = c.prepare_cached(INSERT_CLAIMED_SQL)?;
+    let mut ins = c.cached(INSERT_CLAIMED_SQL)?;
     let to = (&mut w.flying, &mut w.recent);
     write_in_flight(&mut ins, seq, to, row, w.ord, lease, &x.consumer)?;
     w.lease = lease;
@@ -1697,7 +1779,7 @@ fn add_claimed(c: &Connection, w: &mut Writer, x: &AddClaimed) -> AddClaimedAnsw
 /// Write `row` in flight at `seq` for `consumer` under `lease`, its delivery counted, with
 /// `ins` (`INSERT_CLAIMED_SQL`), and count it in `flying` and `recent`.
 fn write_in_flight(
-    ins: &mut rusqlite::CachedStatement<'_>,
+    ins: &mut rusqlite::Statement<'_>,
     seq: i64,
     (flying, recent): (&mut InFlight, &mut Recent),
     row: &Encoded,
@@ -1724,7 +1806,7 @@ fn write_in_flight(
 }
 
 fn insert_dead(
-    c: &Connection,
+    c: &Db<'_>,
     w: &mut Writer,
     row: &Encoded,
     reason: &str,
@@ -1910,7 +1992,7 @@ const COMMIT_PLAIN_SQL: &str = "UPDATE items SET st = 'finished', reason = ?3, a
 
 /// `at` is the item's id and, when the claim gave it, its row.
 fn commit_wave(
-    c: &Connection,
+    c: &Db<'_>,
     w: &mut Writer,
     at: (Ulid, Option<i64>),
     lease: u64,
@@ -1946,12 +2028,9 @@ fn commit_wave(
                 },
             };
             let now = now_ms();
-            let n = c.prepare_cached(COMMIT_PLAIN_SQL)?.execute(params![
-                seq,
-                lease as i64,
-                outcome,
-                now
-            ])?;
+            let n =
+                c.cached(COMMIT_PLAIN_SQL)?
+                    .execute(params![seq, lease as i64, outcome, now])?;
             if n != 1 {
                 return Ok(Committed::Conflict);
             }
@@ -2033,12 +2112,12 @@ const CLAIM_SQL: &str = "SELECT seq, body, deliveries, stepped, id, flow, enqueu
     FROM items WHERE st = 'waiting' ORDER BY ord";
 
 fn claim_ready(
-    c: &Connection,
+    c: &Db<'_>,
     w: &mut Writer,
     consumer: &str,
     max: usize,
 ) -> Result<Vec<Taken>, QueueError> {
-    let mut q = c.prepare_cached(CLAIM_SQL)?;
+    let mut q = c.cached(CLAIM_SQL)?;
     let mut rows: Vec<Taken> = q
         .query_map([], |r| {
             Ok(Taken {
@@ -2056,7 +2135,7 @@ fn claim_ready(
         .collect::<Result<_, _>>()?;
     drop(q);
     let now = now_ms();
-    let mut take = c.prepare_cached(
+    let mut take = c.cached(
         "UPDATE items SET st = 'in_flight', deliveries = ?2, lease = ?3, consumer = ?4, since = ?5
          WHERE seq = ?1",
     )?;
