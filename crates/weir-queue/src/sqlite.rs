@@ -403,6 +403,10 @@ struct Encoded {
     deliveries: u32,
     enqueued_at: i64,
     body: String,
+    /// The item itself, when its caller gave it up ([`Encoded::owning`]): handed to a
+    /// claimer waiting in the same transaction (`insert_claimed`), it is not decoded again
+    /// from `body` (about 5,000 instructions an accepted event). Taken at most once.
+    item: std::cell::Cell<Option<WorkItem>>,
 }
 
 impl Encoded {
@@ -445,7 +449,21 @@ impl Encoded {
             deliveries: *deliveries,
             enqueued_at: *enqueued_at,
             body,
+            item: Default::default(),
         })
+    }
+
+    /// `all`, keeping each item to hand on as it is.
+    fn owning(items: Vec<WorkItem>) -> Result<Vec<Encoded>, QueueError> {
+        let now = now_ms();
+        items
+            .into_iter()
+            .map(|i| {
+                let e = Encoded::new(&i, now)?;
+                e.item.set(Some(i));
+                Ok(e)
+            })
+            .collect()
     }
 
     fn all(items: &[WorkItem]) -> Result<Vec<Encoded>, QueueError> {
@@ -464,6 +482,8 @@ struct Taken {
     id: String,
     flow: String,
     enqueued_at: i64,
+    /// The item as its caller journaled it, when the writer had it (`body` is then empty).
+    item: Option<WorkItem>,
 }
 
 /// What the writer keeps between jobs. Counters only move forward, so a rolled-back job
@@ -1706,15 +1726,20 @@ fn insert_claimed(
     )?;
     w.lease = lease;
     w.woke = true;
+    let item = row.item.take();
     w.waiters[x].taken.push(Taken {
         seq,
         lease,
         deliveries,
         stepped: false,
-        body: row.body.clone(),
+        body: match item {
+            Some(_) => String::new(),
+            None => row.body.clone(),
+        },
         id: row.id.clone(),
         flow: row.flow.clone(),
         enqueued_at: row.enqueued_at,
+        item,
     });
     Ok(())
 }
@@ -1973,7 +1998,7 @@ struct NewRows {
 impl NewRows {
     /// Takes the wave's items out of `fx`.
     fn take(fx: &mut WaveEffects) -> Result<NewRows, QueueError> {
-        let mut items = Encoded::all(&std::mem::take(&mut fx.follow_ups))?;
+        let mut items = Encoded::owning(std::mem::take(&mut fx.follow_ups))?;
         items.extend(Encoded::all(&std::mem::take(&mut fx.delayed))?);
         let now = now_ms();
         let dead = std::mem::take(&mut fx.dead)
@@ -2129,6 +2154,7 @@ fn claim_ready(
                 id: r.get(4)?,
                 flow: r.get(5)?,
                 enqueued_at: r.get(6)?,
+                item: None,
             })
         })?
         .take(max)
@@ -2245,7 +2271,7 @@ impl WorkQueue for SqliteQueue {
 
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let max = self.max_ready;
-        let rows = Encoded::all(&items)?;
+        let rows = Encoded::owning(items)?;
         self.write_as(Wait::Journal, move |c, w| {
             if w.ready + rows.len() as i64 > max {
                 return Err(QueueError::Full(w.ready.max(0) as usize));
@@ -2381,7 +2407,16 @@ impl WorkQueue for SqliteQueue {
                 // A claimed item is due now, whenever it was due.
                 due: None,
             };
-            match decode(&t.body, cols) {
+            let item = match t.item.take() {
+                // As decoding its row would give it: counted delivered, due now.
+                Some(mut item) => {
+                    item.deliveries = t.deliveries;
+                    item.not_before = None;
+                    Ok(item)
+                }
+                None => decode(&t.body, cols),
+            };
+            match item {
                 Ok(item) => out.push(Claimed::new(
                     item,
                     t.lease,
@@ -3291,6 +3326,48 @@ mod tests {
             Committed::Conflict,
             "the stalled engine's late commit is refused"
         );
+    }
+
+    /// An item handed to a waiting claim as it was added (not decoded from its row) is the
+    /// item its row holds, as a claim after a restart would decode it: counted delivered
+    /// once, due now, with its messages, cause and retry history whole.
+    #[tokio::test]
+    async fn an_item_handed_on_as_added_is_the_item_its_row_holds() {
+        let q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let claim = waiting_claim(&q, "a", 1).await;
+        let mut it = item(7);
+        it.outputs = vec![vec![
+            serde_json::json!({"payload": {"x": 1.5, "s": "é", "l": [1, null, true]}}),
+        ]];
+        it.attempt = 2;
+        it.origin_id = Some(Ulid::new());
+        it.first_enqueued_at = it.enqueued_at - 5_000;
+        it.not_before = Some(now_ms() - 10);
+        q.add(vec![it.clone()]).await.unwrap();
+        let got = claim.await.unwrap().unwrap();
+        let handed = got[0].item.clone();
+        let seq = got[0].slot as i64;
+        let decoded = q
+            .write(move |c, _| {
+                let (body, id, flow, enqueued_at): (String, String, String, i64) = c.query_row(
+                    "SELECT body, id, flow, enqueued_at FROM items WHERE seq = ?1",
+                    [seq],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+                )?;
+                let cols = RowCols {
+                    id: &id,
+                    flow,
+                    deliveries: 1,
+                    enqueued_at,
+                    due: None,
+                };
+                decode(&body, cols).map_err(QueueError::Unavailable)
+            })
+            .await
+            .unwrap();
+        assert_eq!(handed, decoded);
+        assert_eq!((handed.deliveries, handed.not_before), (1, None));
+        assert_eq!(handed.outputs, it.outputs);
     }
 
     fn ids(got: &[Claimed]) -> Vec<Ulid> {
