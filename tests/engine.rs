@@ -577,6 +577,17 @@ nodes:
         .await
         .unwrap();
     assert_eq!(text.status(), 202);
+    assert_eq!(text.headers()["content-type"], "application/json");
+    let id = text.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let item = get_json(&e, &format!("/api/items/{id}")).await;
+    assert_eq!(
+        item["item"]["id"],
+        id.as_str(),
+        "the 202 names the item: {item}"
+    );
     assert_eq!(c.post(url("locked")).send().await.unwrap().status(), 401);
     assert_eq!(
         c.post(url("locked"))

@@ -231,7 +231,17 @@ async fn accept(
         }
     };
     if !hook.spec.respond_wave {
-        return (StatusCode::ACCEPTED, Json(json!({ "id": id.to_string() }))).into_response();
+        // `{"id":"…"}` written out: an id needs no escaping, and a JSON value built, then
+        // serialized and dropped, cost about 2,000 instructions an event.
+        let mut text = [0; ulid::ULID_LEN];
+        let body = [r#"{"id":""#, id.array_to_str(&mut text), r#""}"#].concat();
+        let json = HeaderValue::from_static("application/json");
+        return (
+            StatusCode::ACCEPTED,
+            [(axum::http::header::CONTENT_TYPE, json)],
+            body,
+        )
+            .into_response();
     }
     let reply = s.queue.wait_reply(id, hook.spec.timeout);
     let reply = match wave.as_mut() {
