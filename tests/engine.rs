@@ -86,9 +86,26 @@ nodes:
 /// answer it later is told so once the wave is committed, not with a 504 at its timeout
 /// (20 s here: a 504 would fail each assertion on the status): 500 naming the dead letters
 /// when the wave failed, whole or where a node failed, 502 when it ended without reaching an
-/// `http-response`. A wave that leaves a delay behind still waits (the test above).
+/// `http-response`. A wave that leaves a delay behind still waits (the test above). On each
+/// backend: the answer travels through it.
 #[tokio::test]
 async fn respond_wave_whose_wave_ends_unanswered_is_told_at_once() {
+    unanswered_is_told_at_once("memory").await;
+}
+
+#[tokio::test]
+async fn respond_wave_whose_wave_ends_unanswered_is_told_at_once_on_sqlite() {
+    let data = tempfile::tempdir().unwrap();
+    unanswered_is_told_at_once(&format!("sqlite:{}/queue.db", data.path().display())).await;
+}
+
+#[tokio::test]
+async fn respond_wave_whose_wave_ends_unanswered_is_told_at_once_on_redis() {
+    let redis = weir_queue::testing::RedisServer::start();
+    unanswered_is_told_at_once(&redis.url()).await;
+}
+
+async fn unanswered_is_told_at_once(queue: &str) {
     let flow = r#"
 nodes:
   failing: { type: webhook, path: failing, respond: wave, timeout: 20s, to: [check] }
@@ -109,7 +126,7 @@ nodes:
   b: { type: set, set: { payload.y: 2 }, to: [a] }
   answer: { type: http-response }
 "#;
-    let e = start(&[("unanswered.yaml", flow)], Failpoints::new()).await;
+    let e = start_on(queue, &[("unanswered.yaml", flow)], Failpoints::new()).await;
     // Answered as ever when the wave reaches its http-response.
     let r = post_json(&e, "failing", json!({"n": 1})).await;
     assert_eq!(r.status(), 200);
