@@ -783,9 +783,10 @@ impl SqliteQueue {
             "PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; PRAGMA wal_autocheckpoint=1000;",
         )
         .map_err(open_err)?;
-        // The writer's statements, its BEGIN and COMMIT among them, are prepared once each and
-        // kept (SQLite's parser cost a transaction's BEGIN and COMMIT about 3,400 instructions
-        // together). Room for all of them, so none is prepared again for want of a place.
+        // The writer's statements are prepared once each and kept (SQLite's parser cost a
+        // transaction's BEGIN and COMMIT about 3,400 instructions together): those of its hot
+        // path by the writer itself (`Db`), the others in rusqlite's cache, with room for all
+        // of them, so none is prepared again for want of a place.
         conn.set_prepared_statement_cache_capacity(64);
         migrate(&mut conn).map_err(|e| match e {
             QueueError::Unavailable(m) | QueueError::Corrupt(m) => {
@@ -1556,7 +1557,7 @@ fn insert(c: &Db<'_>, w: &mut Writer, row: &Encoded) -> Result<(), QueueError> {
     insert_all(c, w, std::slice::from_ref(row))
 }
 
-/// Journal `rows` with prepared statements looked up in the statement cache once per batch,
+/// Journal `rows` with prepared statements taken from the writer's kept ones once per batch,
 /// not per row.
 ///
 /// A row ready now, with nothing else ready and a claimer waiting with room, is journaled
