@@ -953,7 +953,7 @@ impl Wait {
 /// recorder's registry), twice a request and three times a transaction; a handle records
 /// in a few dozen.
 struct Metrics {
-    /// `weir_sqlite_wait_seconds`, by [`Wait`].
+    /// `weir_sqlite_wait_seconds`, by [`Wait`], in its order.
     waits: [metrics::Histogram; 3],
     transactions: metrics::Counter,
     jobs: metrics::Counter,
@@ -1075,7 +1075,8 @@ impl<'c> Db<'c> {
 
     /// The statement for `sql`, prepared at its first use and kept while the writer runs.
     /// `sql` is a constant: it is known by its address. A statement in use already (one
-    /// call inside another) is prepared again for the inner call, and that one is dropped.
+    /// call inside another) is prepared again for the inner call; of the two, the first
+    /// given back is kept and the other finalized.
     fn cached(&self, sql: &'static str) -> rusqlite::Result<Kept<'_, 'c>> {
         let stmt = {
             let mut kept = self.kept.borrow_mut();
