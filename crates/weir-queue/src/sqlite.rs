@@ -944,7 +944,12 @@ enum Wait {
 
 impl Wait {
     fn record(self, waited: Duration) {
-        with_metrics(|m| m.waits[self as usize].record(waited.as_secs_f64()));
+        let at = match self {
+            Wait::Journal => 0,
+            Wait::Commit => 1,
+            Wait::Other => 2,
+        };
+        with_metrics(|m| m.waits[at].record(waited.as_secs_f64()));
     }
 }
 
@@ -953,7 +958,7 @@ impl Wait {
 /// recorder's registry), twice a request and three times a transaction; a handle records
 /// in a few dozen.
 struct Metrics {
-    /// `weir_sqlite_wait_seconds`, by [`Wait`], in its order.
+    /// `weir_sqlite_wait_seconds`: journal, commit, other ([`Wait::record`]).
     waits: [metrics::Histogram; 3],
     transactions: metrics::Counter,
     jobs: metrics::Counter,
