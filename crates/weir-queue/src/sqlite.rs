@@ -535,6 +535,30 @@ struct InFlight {
     changed: bool,
 }
 
+/// After a rolled-back batch: what the writer keeps in memory of the file (the ready count,
+/// the marked items, the items in flight and the finished ones) read from it again, since
+/// the batch had moved it.
+fn recount_after_rollback(conn: &Connection, w: &mut Writer) {
+    if let Ok(n) = conn.query_row("SELECT count(*) FROM items WHERE st = 'waiting'", [], |r| {
+        r.get(0)
+    }) {
+        w.ready = n;
+    }
+    if let Ok(m) = marked_items(conn) {
+        w.marked = m;
+    }
+    match w.flying.reload(conn) {
+        Ok(()) => w.flying.committed(),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the items in flight after a rollback; those missed come back at the next start")
+        }
+    }
+    w.recent.forget();
+    if let Err(e) = w.finished.reload(conn) {
+        tracing::warn!(error = %e, "could not read the finished items after a rollback; those missed are kept until the next start");
+    }
+}
+
 /// The items in flight as `stats` shows them: how many, and the earliest `enqueued_at`.
 #[derive(Default, Clone, Copy)]
 struct Flying {
@@ -1294,7 +1318,6 @@ fn write_loop(
             conn.run("COMMIT").map_err(QueueError::from)
         };
         let fsynced = commit_started.elapsed();
-        let rolled_back = committed.is_err();
         match committed {
             Ok(()) => {
                 counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1321,6 +1344,9 @@ fn write_loop(
             }
             Err(e) => {
                 let _ = conn.run("ROLLBACK");
+                // Counted again before anyone is told, so no caller who heard of the failure
+                // reads counts (in flight, ready) that the rolled-back batch had moved.
+                recount_after_rollback(&conn, &mut w);
                 tracing::error!(error = %e, members = held.len(), "queue commit failed; every member of the batch is told");
                 for h in held {
                     match h {
@@ -1343,29 +1369,6 @@ fn write_loop(
             m.commit.record(fsynced.as_secs_f64());
         });
         w.woke = false;
-        if rolled_back {
-            // The batch was rolled back after moving the ready count: count again.
-            if let Ok(n) =
-                conn.query_row("SELECT count(*) FROM items WHERE st = 'waiting'", [], |r| {
-                    r.get(0)
-                })
-            {
-                w.ready = n;
-            }
-            if let Ok(m) = marked_items(&conn) {
-                w.marked = m;
-            }
-            match w.flying.reload(&conn) {
-                Ok(()) => w.flying.committed(),
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not read the items in flight after a rollback; those missed come back at the next start")
-                }
-            }
-            w.recent.forget();
-            if let Err(e) = w.finished.reload(&conn) {
-                tracing::warn!(error = %e, "could not read the finished items after a rollback; those missed are kept until the next start");
-            }
-        }
         batches += 1;
         if batches.is_multiple_of(PRUNE_EVERY) {
             if let Err(e) = prune(&conn) {
