@@ -178,6 +178,95 @@ nodes:
     e.shutdown().await;
 }
 
+/// A request whose wave goes on in one item alone, a retry or a delay, waits for that item,
+/// and is told at once when that item's wave, too, ends without an answer: after a node
+/// retried until it expired, 500 naming the dead letter; after a delay whose message a
+/// switch dropped, 502. A chain that does answer is answered as ever, retries and all. On
+/// each backend: the mark on the item survives its journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn respond_wave_chain_that_ends_unanswered_is_told_at_once() {
+    unanswered_chain_is_told_at_once("memory").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn respond_wave_chain_that_ends_unanswered_is_told_at_once_on_sqlite() {
+    let data = tempfile::tempdir().unwrap();
+    unanswered_chain_is_told_at_once(&format!("sqlite:{}/queue.db", data.path().display())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn respond_wave_chain_that_ends_unanswered_is_told_at_once_on_redis() {
+    let redis = weir_queue::testing::RedisServer::start();
+    unanswered_chain_is_told_at_once(&redis.url()).await;
+}
+
+async fn unanswered_chain_is_told_at_once(queue: &str) {
+    let sink = Sink::start().await;
+    let flow = format!(
+        r#"
+nodes:
+  flaky: {{ type: webhook, path: flaky, respond: wave, timeout: 20s, to: [call] }}
+  call: {{ type: http-request, url: "{}", retry: {{ initial: 50ms, max: 100ms }}, to: [answer] }}
+  later: {{ type: webhook, path: later, respond: wave, timeout: 20s, to: [wait] }}
+  wait: {{ type: delay, for: 200ms, to: [which] }}
+  which:
+    type: switch
+    rules:
+      - if: msg.payload.n > 10
+        to: [answer]
+  answer: {{ type: http-response }}
+"#,
+        sink.url("got")
+    );
+    let mut exec = weir_testkit::test_exec();
+    exec.max_age = Duration::from_millis(800);
+    let e = weir_testkit::start_exec(queue, exec, &[("chain.yaml", &flow)]).await;
+
+    // Answered by the chain as ever: after two retries, and after the delay.
+    sink.fail_next(&[503, 503]);
+    let r = post_json(&e, "flaky", json!({"n": 1})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"ok": true}));
+    assert_eq!(sink.count(), 1, "the third call went through");
+    let r = post_json(&e, "later", json!({"n": 11})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"n": 11}));
+
+    // The delay's message dropped by the switch: 502, not a 504 at 20 s.
+    let r = post_json(&e, "later", json!({"n": 3})).await;
+    assert_eq!(r.status(), 502);
+    let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["id"], id.as_str(), "the request's own item: {body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("without reaching an http-response"),
+        "{body}"
+    );
+
+    // The node keeps failing until its retries expire: 500 with the dead letter.
+    sink.fail_next(&[503; 1000]);
+    let r = post_json(&e, "flaky", json!({"n": 2})).await;
+    assert_eq!(r.status(), 500);
+    let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["id"], id.as_str(), "the request's own item: {body}");
+    let error = body["error"].as_str().unwrap();
+    assert!(error.contains("expired") && error.contains("503"), "{body}");
+    let dead = body["dead_letters"][0].as_str().unwrap();
+    assert_ne!(dead, id, "the dead letter is the last retry: {body}");
+    let item = get_json(&e, &format!("/api/items/{dead}")).await;
+    assert_eq!(item["state"], "dead", "{item}");
+    assert_eq!(item["item"]["origin_id"], id.as_str(), "{item}");
+    assert_eq!(
+        item["item"]["outputs"][0][0]["payload"]["n"], 2,
+        "with the input it failed on: {item}"
+    );
+    e.shutdown().await;
+}
+
 #[tokio::test]
 async fn switch_routes_by_rule_and_else() {
     let sink = Sink::start().await;

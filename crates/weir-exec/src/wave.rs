@@ -87,12 +87,15 @@ impl Executor {
                     self.post_replies(&c, std::mem::take(&mut extras.replies), &mut replied)
                         .await;
                 }
-                // A waiting request whose first wave ends with no answer and nothing left to
-                // answer it later is told so after the commit, not at its timeout.
-                if extras.replies.is_empty() && !replied {
-                    if let Some(r) = flow.as_deref().and_then(|f| unanswered(f, &c.item, &fx)) {
-                        extras.replies.push(r);
-                    }
+                // A waiting request whose chain ends here with no answer and nothing left to
+                // answer it later is told so after the commit, not at its timeout; a chain
+                // that goes on in one item alone (a retry, a delay) hands the wait on to it.
+                let answered = replied || !extras.replies.is_empty();
+                if let Some(r) = flow
+                    .as_deref()
+                    .and_then(|f| awaited(f, &c.item, answered, &mut fx))
+                {
+                    extras.replies.push(r);
                 }
                 if let Err(e) = self.account_run(&c.item, &mut fx, extras.reached).await {
                     tracing::warn!(flow = %c.item.flow, item = %c.item.id, error = %e, "cannot read the run's record; the item will be redelivered");
@@ -513,20 +516,32 @@ impl Executor {
     }
 }
 
-/// The answer to a `respond: wave` request whose wave is ending without one: its first wave
-/// (not a retry's, a delay's or a follow-up's), started at a `respond: wave` webhook, that
-/// leaves no item behind that could still reach an `http-response` (no retry, no delay, no
-/// follow-up). A wave that dead-letters, whole or where a node failed, gets 500 with the
-/// reasons and the dead letters' ids; one that ends without reaching an `http-response` (a
-/// switch that dropped the message, say) gets 502. Either way the body names the item, as
-/// the 504 of a timeout does. `None` for every other wave.
-fn unanswered(f: &FlowRt, item: &WorkItem, fx: &WaveEffects) -> Option<Reply> {
-    if item.origin_id.is_some()
-        || !fx.follow_ups.is_empty()
-        || !fx.delayed.is_empty()
-        || !f.answering.contains(&item.node)
-    {
-        return None;
+/// A `respond: wave` request whose chain is ending without an answer. The chain is the
+/// request's first wave (started at a `respond: wave` webhook), then, while each wave leaves
+/// exactly one item behind (a retry, a delay), that item, marked `awaited`. A wave of the
+/// chain that answers nothing and leaves more than one item hands the wait on to none of
+/// them: the request waits for its timeout, as any of them may still answer it. One that
+/// leaves nothing is answered here: 500 with the reasons and the dead letters' ids when it
+/// dead-lettered, whole or where a node failed; 502 when it ended without reaching an
+/// `http-response` (a switch that dropped the message, say). Either body names the request's
+/// item, as the 504 of a timeout does. `None` for every other wave (`answered`: this one
+/// has answered already).
+fn awaited(f: &FlowRt, item: &WorkItem, answered: bool, fx: &mut WaveEffects) -> Option<Reply> {
+    let waiting = !answered
+        && (item.awaited || (item.origin_id.is_none() && f.answering.contains(&item.node)));
+    let mut left = fx.follow_ups.iter_mut().chain(fx.delayed.iter_mut());
+    match (left.next(), left.next()) {
+        (Some(heir), None) => {
+            heir.awaited = waiting && heir.kind == ItemKind::Cascade;
+            return None;
+        }
+        (Some(_), Some(_)) => {
+            fx.follow_ups.iter_mut().for_each(|i| i.awaited = false);
+            fx.delayed.iter_mut().for_each(|i| i.awaited = false);
+            return None;
+        }
+        (None, _) if !waiting => return None,
+        (None, _) => {}
     }
     let (status, error, dead): (u16, String, Vec<String>) = match &fx.end {
         Some(End::DeadLetter(why)) => (
@@ -553,7 +568,7 @@ fn unanswered(f: &FlowRt, item: &WorkItem, fx: &WaveEffects) -> Option<Reply> {
         ),
         _ => return None,
     };
-    let mut body = serde_json::json!({ "id": item.id.to_string(), "error": error });
+    let mut body = serde_json::json!({ "id": item.root_id().to_string(), "error": error });
     if !dead.is_empty() {
         body["dead_letters"] = dead.into();
     }

@@ -725,6 +725,7 @@ pub fn unusual_item(flow: &str) -> WorkItem {
     it.origin_id = Some(ulid::Ulid::new());
     it.first_enqueued_at = it.enqueued_at - 5_000;
     it.run_id = Some("run-1".into());
+    it.awaited = true;
     it
 }
 

@@ -65,6 +65,13 @@ pub struct WorkItem {
     pub first_enqueued_at: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<String>,
+    /// A `respond: wave` request still waits for an answer from this item's chain, and this
+    /// item is all that is left of the chain (a retry or a delay its wave left alone): if
+    /// its wave, too, ends with no answer and leaves nothing behind, the request is told so
+    /// at once instead of at its timeout. Set by the executor; left out of the JSON when
+    /// false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub awaited: bool,
 }
 
 impl WorkItem {
@@ -88,6 +95,7 @@ impl WorkItem {
             enqueued_at: now,
             first_enqueued_at: now,
             run_id: None,
+            awaited: false,
         }
     }
 
@@ -126,6 +134,8 @@ impl WorkItem {
             origin_id: Some(self.root_id()),
             enqueued_at: now,
             first_enqueued_at: now,
+            // The request its chain answered is long gone.
+            awaited: false,
             ..self.clone()
         }
     }
@@ -172,5 +182,14 @@ mod tests {
         };
         let back: WorkItem = serde_json::from_str(&serde_json::to_string(&timer).unwrap()).unwrap();
         assert_eq!(back, timer);
+        // `awaited` is written only when set, and read back.
+        assert!(!text.contains("awaited"), "{text}");
+        let heir = WorkItem {
+            awaited: true,
+            ..timer
+        };
+        let back: WorkItem = serde_json::from_str(&serde_json::to_string(&heir).unwrap()).unwrap();
+        assert!(back.awaited);
+        assert_eq!(back, heir);
     }
 }

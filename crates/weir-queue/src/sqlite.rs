@@ -345,6 +345,13 @@ struct Stored<'a> {
         skip_serializing_if = "Option::is_none"
     )]
     run_id: Option<Cow<'a, str>>,
+    #[serde(
+        rename = "w",
+        alias = "awaited",
+        default,
+        skip_serializing_if = "std::ops::Not::not"
+    )]
+    awaited: bool,
 }
 
 fn cascade() -> ItemKind {
@@ -389,6 +396,7 @@ fn decode(body: &str, cols: RowCols<'_>) -> Result<WorkItem, String> {
         enqueued_at: cols.enqueued_at,
         first_enqueued_at: s.first_enqueued_at.unwrap_or(cols.enqueued_at),
         run_id: s.run_id.map(Cow::into_owned),
+        awaited: s.awaited,
     })
 }
 
@@ -428,6 +436,7 @@ impl Encoded {
             enqueued_at,
             first_enqueued_at,
             run_id,
+            awaited,
         } = item;
         let body = json(&Stored {
             node: Cow::Borrowed(node),
@@ -440,6 +449,7 @@ impl Encoded {
             guard_value: guard_value.as_ref().map(Cow::Borrowed),
             origin_id: *origin_id,
             run_id: run_id.as_deref().map(Cow::Borrowed),
+            awaited: *awaited,
         })?;
         Ok(Encoded {
             id: id.to_string(),
