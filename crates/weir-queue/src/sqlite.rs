@@ -535,7 +535,7 @@ struct Writer {
 #[derive(Default)]
 struct InFlight {
     /// By row: when it was claimed, and its `enqueued_at` (when it was journaled).
-    rows: std::collections::HashMap<i64, (i64, i64)>,
+    rows: std::collections::HashMap<i64, (i64, i64), foldhash::fast::RandomState>,
     /// Taken out of flight by the batch under way: still shown until its commit.
     leaving: Vec<(i64, i64)>,
     /// What `stats` reads: an item shown in flight from before its batch's COMMIT to after
@@ -1202,13 +1202,11 @@ fn write_loop(
         let due_in = w
             .next_due
             .map(|d| Duration::from_millis((d - now_ms()).max(0) as u64));
+        let now = std::time::Instant::now();
         let wake = w
             .waiters
             .iter()
-            .map(|x| {
-                x.deadline
-                    .saturating_duration_since(std::time::Instant::now())
-            })
+            .map(|x| x.deadline.saturating_duration_since(now))
             .chain(due_in)
             .min();
         let first = match wake {

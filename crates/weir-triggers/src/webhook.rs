@@ -44,7 +44,8 @@ struct Hook {
     events: std::sync::OnceLock<metrics::Counter>,
 }
 
-type Table = HashMap<String, Vec<Hook>>;
+/// Hooks by path, looked up for every request.
+type Table = HashMap<String, Vec<Hook>, foldhash::fast::RandomState>;
 
 /// Header names known at build time, so no request parses them again.
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -57,7 +58,7 @@ pub struct Routes(Arc<std::sync::RwLock<Arc<Table>>>);
 impl Routes {
     /// Take the routes from every webhook node of `flows`.
     pub fn rebuild(&self, flows: &Flows) {
-        let mut routes: Table = HashMap::new();
+        let mut routes: Table = HashMap::default();
         for f in flows.all() {
             for (node, t) in f.flow.triggers() {
                 if let Trigger::Webhook(spec) = t {
