@@ -339,6 +339,8 @@ fn bench(c: &mut Criterion) {
 }
 
 fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec<String>) {
+    // In the summary too, which is what `benches/run` keeps.
+    report.push("durability: sqlite WAL, synchronous=FULL (every commit fsynced)".into());
     let sqlite_q = Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
     let sqlite: Arc<dyn WorkQueue> = sqlite_q.clone();
     let dir = tempfile::tempdir().unwrap();
@@ -403,6 +405,10 @@ fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Ve
 }
 
 fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec<String>) {
+    report.push(
+        "durability: redis appendonly yes, appendfsync always (every write fsynced before its answer)"
+            .into(),
+    );
     let server = RedisServer::start();
     // An engine on the bench's server.
     let engine = || -> Arc<dyn WorkQueue> {

@@ -181,6 +181,9 @@ async fn bench() {
         );
     }
     println!("\n--- scaling on Redis, beside the ceiling measured in this run ---");
+    println!(
+        "durability: redis appendonly yes, appendfsync always (every write fsynced before its answer), on every server this bench starts"
+    );
     let one = runs[0].end_to_end;
     for r in &runs {
         println!(
