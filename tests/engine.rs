@@ -181,8 +181,9 @@ nodes:
 /// A request whose wave goes on in one item alone, a retry or a delay, waits for that item,
 /// and is told at once when that item's wave, too, ends without an answer: after a node
 /// retried until it expired, 500 naming the dead letter; after a delay whose message a
-/// switch dropped, 502. A chain that does answer is answered as ever, retries and all. On
-/// each backend: the mark on the item survives its journal.
+/// switch dropped, 502. A chain that does answer is answered as ever, retries and all, and
+/// a wave that leaves two items hands the wait to neither (the first to end unanswered does
+/// not answer for the other). On each backend: the mark on the item survives its journal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn respond_wave_chain_that_ends_unanswered_is_told_at_once() {
     unanswered_chain_is_told_at_once("memory").await;
@@ -209,6 +210,9 @@ nodes:
   call: {{ type: http-request, url: "{}", retry: {{ initial: 50ms, max: 100ms }}, to: [answer] }}
   later: {{ type: webhook, path: later, respond: wave, timeout: 20s, to: [wait] }}
   wait: {{ type: delay, for: 200ms, to: [which] }}
+  both: {{ type: webhook, path: both, respond: wave, timeout: 20s, to: [soon, late] }}
+  soon: {{ type: delay, for: 50ms, to: [which] }}
+  late: {{ type: delay, for: 400ms, to: [answer] }}
   which:
     type: switch
     rules:
@@ -245,6 +249,12 @@ nodes:
             .contains("without reaching an http-response"),
         "{body}"
     );
+
+    // Two items left: the one whose message is dropped first does not answer for the other,
+    // which answers later.
+    let r = post_json(&e, "both", json!({"n": 4})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"n": 4}));
 
     // The node keeps failing until its retries expire: 500 with the dead letter.
     sink.fail_next(&[503; 1000]);
