@@ -237,7 +237,7 @@ impl FlowRt {
 #[derive(Default)]
 pub struct Flows(RwLock<FlowMap>);
 
-/// Flows by id, looked up for every wave (foldhash: a third of SipHash's cost here).
+/// Flows by id, looked up for every wave (foldhash: cheaper than SipHash for such keys).
 type FlowMap = HashMap<String, Arc<FlowRt>, foldhash::fast::RandomState>;
 
 impl Flows {
