@@ -135,10 +135,7 @@ nodes:
 
     // A node fails permanently: its input is dead-lettered and the request hears which.
     let r = post_json(&e, "failing", json!({"n": 2, "poison": true})).await;
-    assert_eq!(r.status(), 500);
-    let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
-    let body: Value = r.json().await.unwrap();
-    assert_eq!(body["id"], id.as_str(), "{body}");
+    let (id, body) = told(r, 500).await;
     let error = body["error"].as_str().unwrap();
     assert!(error.contains("cannot digest 2"), "{body}");
     let dead = body["dead_letters"][0].as_str().unwrap();
@@ -152,8 +149,7 @@ nodes:
 
     // The whole wave dead-letters (a loop past the step bound): the item itself is named.
     let r = post_json(&e, "looping", json!({})).await;
-    assert_eq!(r.status(), 500);
-    let body: Value = r.json().await.unwrap();
+    let (_, body) = told(r, 500).await;
     assert!(
         body["error"].as_str().unwrap().contains("step bound"),
         "{body}"
@@ -164,17 +160,9 @@ nodes:
 
     // Nothing failed, nothing answered: the switch dropped the message.
     let r = post_json(&e, "dropping", json!({"n": 3})).await;
-    assert_eq!(r.status(), 502);
-    let body: Value = r.json().await.unwrap();
-    assert!(
-        body["error"]
-            .as_str()
-            .unwrap()
-            .contains("without reaching an http-response"),
-        "{body}"
-    );
-    assert!(body.get("dead_letters").is_none(), "{body}");
-    wait_finished(&e, body["id"].as_str().unwrap()).await;
+    let (id, body) = told(r, 502).await;
+    reached_no_answer(&body);
+    wait_finished(&e, &id).await;
     e.shutdown().await;
 }
 
@@ -238,17 +226,8 @@ nodes:
 
     // The delay's message dropped by the switch: 502, not a 504 at 20 s.
     let r = post_json(&e, "later", json!({"n": 3})).await;
-    assert_eq!(r.status(), 502);
-    let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
-    let body: Value = r.json().await.unwrap();
-    assert_eq!(body["id"], id.as_str(), "the request's own item: {body}");
-    assert!(
-        body["error"]
-            .as_str()
-            .unwrap()
-            .contains("without reaching an http-response"),
-        "{body}"
-    );
+    let (_, body) = told(r, 502).await;
+    reached_no_answer(&body);
 
     // Two items left: the one whose message is dropped first does not answer for the other,
     // which answers later.
@@ -259,10 +238,7 @@ nodes:
     // The node keeps failing until its retries expire: 500 with the dead letter.
     sink.fail_next(&[503; 1000]);
     let r = post_json(&e, "flaky", json!({"n": 2})).await;
-    assert_eq!(r.status(), 500);
-    let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
-    let body: Value = r.json().await.unwrap();
-    assert_eq!(body["id"], id.as_str(), "the request's own item: {body}");
+    let (id, body) = told(r, 500).await;
     let error = body["error"].as_str().unwrap();
     assert!(error.contains("expired") && error.contains("503"), "{body}");
     let dead = body["dead_letters"][0].as_str().unwrap();
@@ -275,6 +251,26 @@ nodes:
         "with the input it failed on: {item}"
     );
     e.shutdown().await;
+}
+
+/// A request told its wave ended unanswered: `status`, and a body naming the request's own
+/// item (the one its `x-weir-item` header names). Returns that id and the body.
+async fn told(r: reqwest::Response, status: u16) -> (String, Value) {
+    assert_eq!(r.status(), status);
+    let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["id"], id.as_str(), "the request's own item: {body}");
+    (id, body)
+}
+
+/// A 502's body: the wave reached no `http-response`, and nothing was dead-lettered.
+fn reached_no_answer(body: &Value) {
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains("without reaching an http-response"),
+        "{body}"
+    );
+    assert!(body.get("dead_letters").is_none(), "{body}");
 }
 
 #[tokio::test]

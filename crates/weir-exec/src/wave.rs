@@ -529,19 +529,12 @@ impl Executor {
 fn awaited(f: &FlowRt, item: &WorkItem, answered: bool, fx: &mut WaveEffects) -> Option<Reply> {
     let waiting = !answered
         && (item.awaited || (item.origin_id.is_none() && f.answering.contains(&item.node)));
-    let mut left = fx.follow_ups.iter_mut().chain(fx.delayed.iter_mut());
-    match (left.next(), left.next()) {
-        (Some(heir), None) => {
-            heir.awaited = waiting && heir.kind == ItemKind::Cascade;
-            return None;
-        }
-        (Some(_), Some(_)) => {
-            fx.follow_ups.iter_mut().for_each(|i| i.awaited = false);
-            fx.delayed.iter_mut().for_each(|i| i.awaited = false);
-            return None;
-        }
-        (None, _) if !waiting => return None,
-        (None, _) => {}
+    let left = fx.follow_ups.len() + fx.delayed.len();
+    for heir in fx.follow_ups.iter_mut().chain(fx.delayed.iter_mut()) {
+        heir.awaited = waiting && left == 1 && heir.kind == ItemKind::Cascade;
+    }
+    if left > 0 || !waiting {
+        return None;
     }
     let (status, error, dead): (u16, String, Vec<String>) = match &fx.end {
         Some(End::DeadLetter(why)) => (
