@@ -259,7 +259,7 @@ async fn lone_reply(
     let reply = Reply {
         status: 200,
         headers: vec![],
-        body: json!({ "ok": true }),
+        body: json!({ "ok": true }).into(),
     };
     poster.post_reply(id, reply).await.unwrap();
     let post = t.elapsed();

@@ -49,12 +49,52 @@ nodes:
     assert_eq!(r.status(), 201);
     assert_eq!(r.headers()["x-flow"], "echo");
     assert!(r.headers().contains_key("x-weir-item"));
+    assert_eq!(r.headers()["content-type"], "application/json");
     assert_eq!(
         r.json::<Value>().await.unwrap(),
         json!({"echoed": "hello!"})
     );
     wait_for("the message past the answer", SECS, || sink.count() == 1).await;
     assert_eq!(sink.bodies(), vec![json!({"echoed": "hello!"})]);
+    e.shutdown().await;
+}
+
+/// The answer is the payload: a string as its text, anything else as its JSON.
+#[tokio::test]
+async fn a_string_payload_is_answered_as_text_and_any_other_as_json() {
+    let flow = r#"
+nodes:
+  hook: { type: webhook, path: say, respond: wave, to: [pick] }
+  pick:
+    type: function
+    script: |
+      msg.payload = msg.payload.answer;
+      msg
+    to: [answer]
+  answer: { type: http-response }
+"#;
+    let e = start(&[("say.yaml", flow)], Failpoints::new()).await;
+    let text = "say \"hi\"\nété \\ done";
+    for (answer, kind, body) in [
+        (json!(text), "text/plain; charset=utf-8", text.to_string()),
+        (json!(42), "application/json", "42".to_string()),
+        (json!(null), "application/json", "null".to_string()),
+        (
+            json!([1, "two"]),
+            "application/json",
+            r#"[1,"two"]"#.to_string(),
+        ),
+        (
+            json!("{\"not\": \"parsed\"}"),
+            "text/plain; charset=utf-8",
+            r#"{"not": "parsed"}"#.to_string(),
+        ),
+    ] {
+        let r = post_json(&e, "say", json!({ "answer": answer })).await;
+        assert_eq!(r.status(), 200, "{answer}");
+        assert_eq!(r.headers()["content-type"], kind, "{answer}");
+        assert_eq!(r.text().await.unwrap(), body, "{answer}");
+    }
     e.shutdown().await;
 }
 

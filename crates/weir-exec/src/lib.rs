@@ -854,7 +854,7 @@ mod tests {
                 // Run as a webhook does: as far as its reply, which comes before the commit.
                 let reply = wave.run_until(q.wait_reply(id, Duration::from_secs(10)));
                 assert_eq!(
-                    reply.await.unwrap().expect("a reply").body["seen"],
+                    reply.await.unwrap().expect("a reply").body.value()["seen"],
                     true,
                     "the function ran"
                 );

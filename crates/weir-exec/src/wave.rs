@@ -568,7 +568,7 @@ fn awaited(f: &FlowRt, item: &WorkItem, answered: bool, fx: &mut WaveEffects) ->
     Some(Reply {
         status,
         headers: Vec::new(),
-        body,
+        body: body.into(),
     })
 }
 

@@ -9,7 +9,7 @@ use rhai::Engine;
 use serde::Deserialize;
 use serde_json::Value;
 use weir_flow::{Spanned, Yaml};
-use weir_queue::{Message, Reply};
+use weir_queue::{Message, Reply, ReplyBody};
 
 use crate::duration::Dur;
 use crate::script::{self, Template};
@@ -215,7 +215,8 @@ impl Node for Response {
         Ok(Emit::one(msg))
     }
 
-    /// The answer takes a copy of the payload; the message goes on only where it is wired.
+    /// The answer is the payload's JSON text, written from the message as it is lent; the
+    /// message goes on only where it is wired.
     async fn call_borrowed(&self, msg: &Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         self.answer(msg, cx);
         Ok(cx.pass_on(msg))
@@ -227,7 +228,7 @@ impl Response {
         cx.reply(Reply {
             status: self.status,
             headers: self.headers.clone(),
-            body: msg.get("payload").cloned().unwrap_or(Value::Null),
+            body: ReplyBody::of(msg.get("payload").unwrap_or(&Value::Null)),
         });
     }
 }

@@ -553,7 +553,7 @@ pub async fn replies_travel_through_the_queue(q: Q, _fp: Failpoints) {
     let reply = Reply {
         status: 201,
         headers: vec![("x-a".into(), "b".into())],
-        body: json!({"ok": true}),
+        body: json!({"ok": true}).into(),
     };
     q.post_reply(id, reply.clone()).await.unwrap();
     assert_eq!(waiter.await.unwrap().unwrap(), Some(reply.clone()));

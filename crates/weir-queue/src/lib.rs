@@ -174,7 +174,61 @@ pub enum Committed {
 pub struct Reply {
     pub status: u16,
     pub headers: Vec<(String, String)>,
-    pub body: serde_json::Value,
+    pub body: ReplyBody,
+}
+
+/// A reply's body as JSON text, written once where the reply is made: straight from the
+/// message the answering node borrows (no copy of the payload), then sent as it is, to the
+/// client and through a backend (as the JSON value it is, so a reply's stored form is the
+/// same as when the body was a value).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ReplyBody(Box<serde_json::value::RawValue>);
+
+impl ReplyBody {
+    pub fn of(v: &serde_json::Value) -> ReplyBody {
+        // A `Value` always serializes (its keys are strings); `null` is only a fallback.
+        ReplyBody(
+            serde_json::value::to_raw_value(v)
+                .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned()),
+        )
+    }
+
+    /// The JSON text.
+    pub fn json(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The string the body is, when it is a JSON string (a webhook answers it as text).
+    pub fn text(&self) -> Option<String> {
+        let j = self.json();
+        j.starts_with('"')
+            .then(|| serde_json::from_str(j).ok())
+            .flatten()
+    }
+
+    /// The body as a value again (it was made from one, so it reads back whole).
+    pub fn value(&self) -> serde_json::Value {
+        serde_json::from_str(self.json()).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The JSON text, owned.
+    pub fn into_json(self) -> String {
+        String::from(Box::<str>::from(self.0))
+    }
+}
+
+impl From<serde_json::Value> for ReplyBody {
+    fn from(v: serde_json::Value) -> ReplyBody {
+        ReplyBody::of(&v)
+    }
+}
+
+/// The same JSON text (a body read back from a backend is the text that was written).
+impl PartialEq for ReplyBody {
+    fn eq(&self, other: &ReplyBody) -> bool {
+        self.json() == other.json()
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -496,7 +496,7 @@ async fn posted_by(waiter: &RedisQueue, poster: &RedisQueue) -> Option<u16> {
     let reply = weir_queue::Reply {
         status: 200,
         headers: vec![],
-        body: json!({ "ok": true }),
+        body: json!({ "ok": true }).into(),
     };
     let (got, posted) = tokio::join!(waiter.wait_reply(id, Duration::from_secs(10)), async {
         tokio::time::sleep(Duration::from_millis(50)).await;

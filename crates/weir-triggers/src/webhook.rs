@@ -255,9 +255,17 @@ async fn accept(
     drop(wave);
     match reply {
         Ok(Some(reply)) => {
-            let mut r = match reply.body {
-                Value::String(s) => s.into_response(),
-                other => Json(other).into_response(),
+            // A string is answered as text; any other body as the JSON text it already is.
+            let mut r = match reply.body.text() {
+                Some(s) => s.into_response(),
+                None => (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        HeaderValue::from_static("application/json"),
+                    )],
+                    reply.body.into_json(),
+                )
+                    .into_response(),
             };
             *r.status_mut() = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
             for (k, v) in reply.headers {
