@@ -111,6 +111,18 @@ pub fn router(
     (r, routes)
 }
 
+/// A response of JSON text made already, built directly: through axum's tuple parts the
+/// text first got a text/plain content type that the JSON one then replaced.
+fn json_text(status: StatusCode, text: String) -> Response {
+    let mut r = Response::new(Body::from(text));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
 fn error(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(json!({ "error": msg.into() }))).into_response()
 }
@@ -236,13 +248,7 @@ async fn accept(
         // serialized and dropped, cost about 2,000 instructions an event.
         let mut text = [0; ulid::ULID_LEN];
         let body = [r#"{"id":""#, id.array_to_str(&mut text), r#""}"#].concat();
-        let json = HeaderValue::from_static("application/json");
-        return (
-            StatusCode::ACCEPTED,
-            [(axum::http::header::CONTENT_TYPE, json)],
-            body,
-        )
-            .into_response();
+        return json_text(StatusCode::ACCEPTED, body);
     }
     let reply = s.queue.wait_reply(id, hook.spec.timeout);
     let reply = match wave.as_mut() {
@@ -258,14 +264,7 @@ async fn accept(
             // A string is answered as text; any other body as the JSON text it already is.
             let mut r = match reply.body.text() {
                 Some(s) => s.into_response(),
-                None => (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        HeaderValue::from_static("application/json"),
-                    )],
-                    reply.body.into_json(),
-                )
-                    .into_response(),
+                None => json_text(StatusCode::OK, reply.body.into_json()),
             };
             *r.status_mut() = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::OK);
             for (k, v) in reply.headers {
