@@ -59,6 +59,59 @@ nodes:
     e.shutdown().await;
 }
 
+/// A script's result is what it ends with, however it ends: naming `msg` last (which weir
+/// runs by taking the message out of the script's scope), a `msg` of its own, a closure that
+/// shares `msg`, an early `return` or `exit`.
+#[tokio::test]
+async fn a_function_answers_what_its_script_ends_with() {
+    let mut nodes = String::from("nodes:\n");
+    for (name, script) in [
+        ("plain", "msg.payload.n += 1;\nmsg"),
+        (
+            "block",
+            "if msg.payload.n > 0 { msg.payload.big = true }\nmsg",
+        ),
+        ("shadowed", "let msg = #{ payload: \"mine\" };\nmsg"),
+        (
+            "shared",
+            "let f = || msg.payload.n * 10;\nmsg.payload.m = f.call();\nmsg",
+        ),
+        (
+            "returns",
+            "if msg.payload.n > 5 { return #{ payload: \"early\" }; }\nmsg",
+        ),
+        (
+            "exits",
+            "if msg.payload.n > 5 { exit(#{ payload: \"exited\" }); }\nmsg",
+        ),
+        ("commented", "msg.payload.c = 1;\nmsg // passed on"),
+    ] {
+        nodes.push_str(&format!(
+            "  {name}: {{ type: webhook, path: {name}, respond: wave, to: [{name}-run] }}\n  {name}-run:\n    type: function\n    script: {script:?}\n    to: [{name}-answer]\n  {name}-answer: {{ type: http-response }}\n"
+        ));
+    }
+    let e = start(&[("ends.yaml", &nodes)], Failpoints::new()).await;
+    for (path, n, want) in [
+        ("plain", 1, json!({"n": 2})),
+        ("block", 1, json!({"n": 1, "big": true})),
+        ("block", 0, json!({"n": 0})),
+        ("shadowed", 1, json!("mine")),
+        ("shared", 2, json!({"n": 2, "m": 20})),
+        ("returns", 1, json!({"n": 1})),
+        ("returns", 9, json!("early")),
+        ("exits", 1, json!({"n": 1})),
+        ("exits", 9, json!("exited")),
+        ("commented", 1, json!({"n": 1, "c": 1})),
+    ] {
+        let r = post_json(&e, path, json!({ "n": n })).await;
+        assert_eq!(r.status(), 200, "{path} {n}");
+        let body = r.text().await.unwrap();
+        let got = serde_json::from_str(&body).unwrap_or(Value::String(body));
+        assert_eq!(got, want, "{path} {n}");
+    }
+    e.shutdown().await;
+}
+
 /// The answer is the payload: a string as its text, anything else as its JSON.
 #[tokio::test]
 async fn a_string_payload_is_answered_as_text_and_any_other_as_json() {

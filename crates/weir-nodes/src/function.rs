@@ -65,11 +65,22 @@ impl NodeFactory for Factory {
             .unwrap_or(weir_flow::Style::Plain);
         let ast =
             script::compile(&engine, &c.script, c.script.pos, style, false).map_err(|e| vec![e])?;
+        // A script that ends by naming `msg` (most do) runs without that last statement, and
+        // its message is then taken out of the scope: evaluating `msg` copied the whole
+        // message, which the scope then dropped.
+        let body = ends_with_msg(&c.script).and_then(|n| {
+            script::compile(&engine, &c.script[..n], c.script.pos, style, false).ok()
+        });
+        let (ast, takes_msg) = match body {
+            Some(body) => (body, true),
+            None => (ast, false),
+        };
         let uses_state = names(&c.script, "state");
         Ok(Built {
             node: Arc::new(Function {
                 engine,
                 ast,
+                takes_msg,
                 uses_state,
             }),
             ports: vec![c.to.0],
@@ -79,7 +90,10 @@ impl NodeFactory for Factory {
 
 struct Function {
     engine: Engine,
+    /// The script, or all of it but its last statement `msg` when `takes_msg`.
     ast: AST,
+    /// The result is `msg` as the script left it in the scope (see [`ends_with_msg`]).
+    takes_msg: bool,
     uses_state: bool,
 }
 
@@ -112,6 +126,11 @@ impl Node for Function {
                 .eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
         })
         .map_err(run_error)?;
+        let out = match self.takes_msg {
+            // The last `msg` of the scope is the one the dropped statement would have read.
+            true => scope.remove::<Dynamic>("msg").unwrap_or(Dynamic::UNIT),
+            false => out,
+        };
         if let Some(state) = state {
             let writes = std::mem::take(&mut state.0.lock().unwrap_or_else(|p| p.into_inner()).1);
             for (k, v) in writes {
@@ -148,6 +167,25 @@ fn names(script: &str, word: &str) -> bool {
     })
 }
 
+/// Where the script's last statement, a bare `msg`, starts, when its result is `msg`
+/// whichever way it runs: it names neither `return` nor `exit` (either would end it with
+/// another value), and the `msg` follows a `;` or a block's `}` (so it is a statement of its
+/// own, not the end of an expression). The text before it must compile on its own too, or
+/// the script runs whole.
+fn ends_with_msg(script: &str) -> Option<usize> {
+    if names(script, "return") || names(script, "exit") {
+        return None;
+    }
+    let rest = script.trim_end();
+    let rest = rest.strip_suffix(';').unwrap_or(rest).trim_end();
+    let before = rest.strip_suffix("msg")?;
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    if before.chars().next_back().is_some_and(ident) {
+        return None;
+    }
+    matches!(before.trim_end().chars().next_back(), Some(';' | '}')).then_some(before.len())
+}
+
 fn check_message(m: &Value) -> Result<(), NodeError> {
     if m.is_object() {
         Ok(())
@@ -160,7 +198,40 @@ fn check_message(m: &Value) -> Result<(), NodeError> {
 
 #[cfg(test)]
 mod tests {
-    use super::names;
+    use super::{ends_with_msg, names};
+
+    #[test]
+    fn a_script_ending_in_msg_is_run_without_it_only_where_that_cannot_change_its_result() {
+        for (script, body) in [
+            ("msg.payload.n += 1;\nmsg", "msg.payload.n += 1;\n"),
+            ("msg.a = 1; msg;\n", "msg.a = 1; "),
+            (
+                "if msg.a > 1 { msg.b = 2 }\nmsg\n",
+                "if msg.a > 1 { msg.b = 2 }\n",
+            ),
+            (
+                "let msg = #{ payload: 1 };msg",
+                "let msg = #{ payload: 1 };",
+            ),
+        ] {
+            assert_eq!(ends_with_msg(script), Some(body.len()), "{script:?}");
+            assert_eq!(&script[..body.len()], body);
+        }
+        for whole in [
+            "msg",
+            "  msg  ",
+            "msg.payload = 1",
+            "msg.a = 1; mymsg",
+            "msg.a = 1; this.msg",
+            "msg.a = 1 + msg",
+            "msg.a = 1; msg // passed on",
+            "if msg.a > 1 { return (); } msg",
+            "if msg.a > 1 { exit(()); } msg",
+            "fn f(x) { return x; } msg.a = f(1); msg",
+        ] {
+            assert_eq!(ends_with_msg(whole), None, "{whole:?}");
+        }
+    }
 
     #[test]
     fn a_script_names_state_as_a_whole_word() {
