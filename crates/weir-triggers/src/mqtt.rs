@@ -209,22 +209,26 @@ async fn journal(
                 Err(_) => break,
             }
         }
+        // Each route but the last gets a copy of the message; the last takes it.
         let build = || -> Vec<WorkItem> {
-            batch
-                .iter()
-                .flat_map(|p| {
-                    let topic = p.topic.clone();
-                    let msg = message(&topic, p.qos, p.retain, &p.payload);
-                    routes.iter().map(move |r| {
-                        WorkItem::cascade(
-                            &r.flow,
-                            &r.node,
-                            format!("mqtt:{topic}"),
-                            vec![msg.clone()],
-                        )
-                    })
-                })
-                .collect()
+            let mut items = Vec::with_capacity(batch.len() * routes.len());
+            for p in &batch {
+                let Some((last, rest)) = routes.split_last() else {
+                    continue;
+                };
+                let msg = message(&p.topic, p.qos, p.retain, &p.payload);
+                let cause = ["mqtt:", &p.topic].concat();
+                for r in rest {
+                    items.push(WorkItem::cascade(
+                        &r.flow,
+                        &r.node,
+                        cause.clone(),
+                        vec![msg.clone()],
+                    ));
+                }
+                items.push(WorkItem::cascade(&last.flow, &last.node, cause, vec![msg]));
+            }
+            items
         };
         // A retry adds the same items again, by id: an add whose answer was lost but that
         // went through is then journaled once. Rebuilt only for a retry, not copied for
