@@ -61,7 +61,8 @@ nodes:
 
 /// A script's result is what it ends with, however it ends: naming `msg` last (which weir
 /// runs by taking the message out of the script's scope), a `msg` of its own, a closure that
-/// shares `msg`, an early `return` or `exit`.
+/// shares `msg`, an early `return` or `exit`, or an `exit` reached by a name the script
+/// builds.
 #[tokio::test]
 async fn a_function_answers_what_its_script_ends_with() {
     let mut nodes = String::from("nodes:\n");
@@ -84,6 +85,10 @@ async fn a_function_answers_what_its_script_ends_with() {
             "exits",
             "if msg.payload.n > 5 { exit(#{ payload: \"exited\" }); }\nmsg",
         ),
+        (
+            "built",
+            "if msg.payload.n > 5 { let f = Fn(\"ex\" + \"it\"); f.call(#{ payload: \"built\" }); }\nmsg",
+        ),
         ("commented", "msg.payload.c = 1;\nmsg // passed on"),
     ] {
         nodes.push_str(&format!(
@@ -101,6 +106,8 @@ async fn a_function_answers_what_its_script_ends_with() {
         ("returns", 9, json!("early")),
         ("exits", 1, json!({"n": 1})),
         ("exits", 9, json!("exited")),
+        ("built", 1, json!({"n": 1})),
+        ("built", 9, json!("built")),
         ("commented", 1, json!({"n": 1, "c": 1})),
     ] {
         let r = post_json(&e, path, json!({ "n": n })).await;

@@ -169,11 +169,15 @@ fn names(script: &str, word: &str) -> bool {
 
 /// Where the script's last statement, a bare `msg`, starts, when its result is `msg`
 /// whichever way it runs: it names neither `return` nor `exit` (either would end it with
-/// another value), and the `msg` follows a `;` or a block's `}` (so it is a statement of its
-/// own, not the end of an expression). The text before it must compile on its own too, or
-/// the script runs whole.
+/// another value), nor `eval` or `Fn` (either can reach `exit` by a name the script builds),
+/// and the `msg` follows a `;` or a block's `}` (so it is a statement of its own, not the end
+/// of an expression). The text before it must compile on its own too, or the script runs
+/// whole.
 fn ends_with_msg(script: &str) -> Option<usize> {
-    if names(script, "return") || names(script, "exit") {
+    if ["return", "exit", "eval", "Fn"]
+        .iter()
+        .any(|w| names(script, w))
+    {
         return None;
     }
     let rest = script.trim_end();
@@ -228,6 +232,8 @@ mod tests {
             "if msg.a > 1 { return (); } msg",
             "if msg.a > 1 { exit(()); } msg",
             "fn f(x) { return x; } msg.a = f(1); msg",
+            "let f = Fn(\"ex\" + \"it\"); f.call(()); msg",
+            "eval(\"ex\" + \"it(())\"); msg",
         ] {
             assert_eq!(ends_with_msg(whole), None, "{whole:?}");
         }

@@ -207,11 +207,6 @@ impl ReplyBody {
             .flatten()
     }
 
-    /// The body as a value again (it was made from one, so it reads back whole).
-    pub fn value(&self) -> serde_json::Value {
-        serde_json::from_str(self.json()).unwrap_or(serde_json::Value::Null)
-    }
-
     /// The JSON text, owned.
     pub fn into_json(self) -> String {
         String::from(Box::<str>::from(self.0))
