@@ -647,6 +647,11 @@ pub struct RedisOptions {
     /// Dead letters kept per shard; past it the oldest is evicted, counted in
     /// `Stats::dead_evicted`, and its record says so.
     pub dead_cap: usize,
+    /// The longest pause between two polls of a waiting claim or `respond: wave` request
+    /// (25 ms; the first pauses are shorter, from 2 ms doubling). The channels of added
+    /// items and posted replies wake them sooner, so a longer pause costs an idle engine's
+    /// Redis less, at the price of that much latency while the channels are not heard.
+    pub poll: Duration,
 }
 
 impl Default for RedisOptions {
@@ -656,9 +661,13 @@ impl Default for RedisOptions {
             shards: 1,
             max_ready: 100_000,
             dead_cap: DEAD_CAP,
+            poll: POLL,
         }
     }
 }
+
+/// The longest pause between two polls of a waiting claim or reply, by default.
+const POLL: Duration = Duration::from_millis(25);
 
 /// An item as the scripts take it.
 #[derive(Serialize)]
@@ -1301,6 +1310,13 @@ impl RedisQueue {
         Ok(())
     }
 
+    /// A poll's first pause and its longest (`RedisOptions::poll`, at least 1 ms so that a
+    /// waiter never spins).
+    fn poll_pauses(&self) -> (Duration, Duration) {
+        let most = self.opts.poll.max(Duration::from_millis(1));
+        (Duration::from_millis(2).min(most), most)
+    }
+
     /// Whether this engine hears, at this moment, the replies other engines post for its
     /// waiting `respond: wave` requests and the adds they name (through the namespace's
     /// channels of posted replies and added items). While it does not (Redis unreachable,
@@ -1899,7 +1915,8 @@ impl WorkQueue for RedisQueue {
         // once when this engine makes items ready. The wake-up is armed before each round, so
         // an add that lands while the round runs is not missed.
         let deadline = tokio::time::Instant::now() + wait;
-        let mut pause = Duration::from_millis(2);
+        let (first, most) = self.poll_pauses();
+        let mut pause = first;
         loop {
             let woken = self.wakes.ready.notified();
             tokio::pin!(woken);
@@ -1912,9 +1929,9 @@ impl WorkQueue for RedisQueue {
             let _waiting = WaitingClaim::new(&self.wakes.waiting);
             tokio::select! {
                 _ = tokio::time::sleep(pause.min(left)) => {
-                    pause = (pause * 2).min(Duration::from_millis(25));
+                    pause = (pause * 2).min(most);
                 }
-                _ = woken => pause = Duration::from_millis(2),
+                _ = woken => pause = first,
             }
         }
     }
@@ -2277,7 +2294,8 @@ impl WorkQueue for RedisQueue {
         // channel of posted replies.
         let k = keys::reply(&self.opts.namespace, &id.to_string());
         let deadline = tokio::time::Instant::now() + wait;
-        let mut pause = Duration::from_millis(2);
+        let (first, most) = self.poll_pauses();
+        let mut pause = first;
         let mut c = self.conn.clone();
         let woken = Arc::new(tokio::sync::Notify::new());
         let _registered = ReplyWaiter::new(&self.reply_waiters, id, woken.clone());
@@ -2292,7 +2310,7 @@ impl WorkQueue for RedisQueue {
             }
             tokio::select! {
                 _ = tokio::time::sleep(pause.min(deadline - now)) => {
-                    pause = (pause * 2).min(Duration::from_millis(25));
+                    pause = (pause * 2).min(most);
                 }
                 _ = woken.notified() => {}
             }
