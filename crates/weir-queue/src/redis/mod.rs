@@ -821,13 +821,14 @@ type ReplyWaiters = std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>;
 /// reply, and this engine's waiting claims when another engine names an add. Connects again
 /// after a pause whenever the connection ends. Only a hint: every waiter and claim polls all
 /// the same, so while the channels are not heard what another engine posts or adds is found
-/// by the poll, up to 25 ms later. Ends when the queue is dropped.
+/// by the poll, up to `poll` later (`RedisOptions::poll`). Ends when the queue is dropped.
 async fn hear_other_engines(
     client: redis::Client,
     channels: [String; 2],
     waiters: Weak<ReplyWaiters>,
     heard: Weak<Heard>,
     wakes: Arc<ClaimWakes>,
+    poll: Duration,
 ) {
     let [channel, added] = channels;
     let mut pause = Duration::from_millis(100);
@@ -894,7 +895,7 @@ async fn hear_other_engines(
             }
             Ok(Err(e)) if !said => {
                 said = true;
-                tracing::warn!(%channel, error = %e, "cannot listen for the replies other engines post and the items they add; until it can, they are found by polling, up to 25 ms later");
+                tracing::warn!(%channel, error = %e, poll = ?poll, "cannot listen for the replies other engines post and the items they add; until it can, they are found by polling, up to `poll` later");
             }
             Ok(Err(e)) => {
                 tracing::debug!(%channel, error = %e, "cannot listen for other engines' replies and adds yet");
@@ -960,7 +961,8 @@ struct Heard {
 /// another engine makes ready, through the namespace's channel of added items, named there
 /// only by an engine that has no claim of its own waiting to take them. A quiet engine takes
 /// its own lone items without waking the others (who would all race for each); a busy one
-/// lets an idle one start its items at once instead of at its next poll, up to 25 ms later.
+/// lets an idle one start its items at once instead of at its next poll (up to
+/// `RedisOptions::poll`, 25 ms, later).
 struct ClaimWakes {
     /// Told when items are made ready here, or heard to be made ready by another engine.
     ready: tokio::sync::Notify,
@@ -1233,6 +1235,7 @@ impl RedisQueue {
             Arc::downgrade(&reply_waiters),
             Arc::downgrade(&heard),
             wakes.clone(),
+            opts.poll,
         ));
         let q = RedisQueue {
             conn,
@@ -1321,7 +1324,7 @@ impl RedisQueue {
     /// waiting `respond: wave` requests and the adds they name (through the namespace's
     /// channels of posted replies and added items). While it does not (Redis unreachable,
     /// or pub/sub refused to this user), those replies and items are found by polling, up to
-    /// 25 ms later; nothing is lost either way.
+    /// `RedisOptions::poll` (25 ms) later; nothing is lost either way.
     pub fn hears_other_engines(&self) -> bool {
         self.heard.listening.load(Ordering::Acquire)
     }
