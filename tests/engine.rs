@@ -847,6 +847,23 @@ nodes:
         .await
         .unwrap();
     assert_eq!(first["id"], again["id"]);
+    // Without a key, the same request sent again is another event (README: a client that
+    // retries without one journals a second event).
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let r: Value = c
+            .post(url("open"))
+            .body("a")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        ids.push(r["id"].as_str().unwrap().to_string());
+    }
+    assert_ne!(ids[0], ids[1], "two events: {ids:?}");
+    assert_ne!(first["id"], ids[0]);
     e.shutdown().await;
 }
 
