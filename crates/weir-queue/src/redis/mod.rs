@@ -814,7 +814,16 @@ const COMMIT_GROUP: usize = 128;
 const COMMIT_CALLS: usize = 2;
 
 /// The `respond: wave` requests waiting at this engine, each woken by its own item's reply.
-type ReplyWaiters = std::sync::Mutex<HashMap<Ulid, Arc<tokio::sync::Notify>>>;
+type ReplyWaiters = std::sync::Mutex<HashMap<Ulid, Arc<ReplyWake>>>;
+
+/// What wakes one waiting request: its reply posted here, or heard on the channel of posted
+/// replies (then `heard` says so, and the request counts itself woken by the channel if the
+/// wake-up is what found its reply).
+#[derive(Default)]
+struct ReplyWake {
+    notify: tokio::sync::Notify,
+    heard: AtomicBool,
+}
 
 /// Listen on the namespace's channels of posted replies (`keys::replies_posted`) and of
 /// added items (`keys::items_added`): wake the request of this engine that waits for each
@@ -878,11 +887,9 @@ async fn hear_other_engines(
                         .get(&id)
                         .cloned();
                     if let Some(w) = waiter {
-                        w.notify_one();
-                        if let Some(h) = heard.upgrade() {
-                            h.woke.fetch_add(1, Ordering::Relaxed);
-                        }
-                        metrics::counter!("weir_redis_replies_heard_total").increment(1);
+                        // Counted by the request, if this wake-up is what finds its reply.
+                        w.heard.store(true, Ordering::Release);
+                        w.notify.notify_one();
                     }
                 }
                 match heard.upgrade() {
@@ -951,7 +958,8 @@ impl Drop for ListeningGauge {
 struct Heard {
     /// Subscribed to the channels now.
     listening: AtomicBool,
-    /// Requests of this engine woken by a reply another engine posted.
+    /// Requests of this engine that found their reply, posted by another engine, when the
+    /// channel woke them (not at a poll).
     woke: AtomicU64,
     /// Times this engine's waiting claims were woken by an add another engine named.
     adds_woke: AtomicU64,
@@ -1009,7 +1017,7 @@ struct ReplyWaiter<'a> {
 }
 
 impl<'a> ReplyWaiter<'a> {
-    fn new(map: &'a ReplyWaiters, id: Ulid, woken: Arc<tokio::sync::Notify>) -> Self {
+    fn new(map: &'a ReplyWaiters, id: Ulid, woken: Arc<ReplyWake>) -> Self {
         map.lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id, woken);
@@ -2285,7 +2293,7 @@ impl WorkQueue for RedisQueue {
         }
         if let Some(w) = waiter {
             // Kept as a permit if the waiter is between two polls.
-            w.notify_one();
+            w.notify.notify_one();
         }
         Ok(())
     }
@@ -2300,11 +2308,17 @@ impl WorkQueue for RedisQueue {
         let (first, most) = self.poll_pauses();
         let mut pause = first;
         let mut c = self.conn.clone();
-        let woken = Arc::new(tokio::sync::Notify::new());
+        let woken = Arc::new(ReplyWake::default());
         let _registered = ReplyWaiter::new(&self.reply_waiters, id, woken.clone());
+        // Whether the look below follows a wake-up by the channel of posted replies.
+        let mut heard = false;
         loop {
             let v: Option<String> = c.lpop(&k, None).await.map_err(unavailable)?;
             if let Some(v) = v {
+                if heard {
+                    self.heard.woke.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("weir_redis_replies_heard_total").increment(1);
+                }
                 return serde_json::from_str(&v).map(Some).map_err(corrupt);
             }
             let now = tokio::time::Instant::now();
@@ -2314,8 +2328,9 @@ impl WorkQueue for RedisQueue {
             tokio::select! {
                 _ = tokio::time::sleep(pause.min(deadline - now)) => {
                     pause = (pause * 2).min(most);
+                    heard = false;
                 }
-                _ = woken.notified() => {}
+                _ = woken.notify.notified() => heard = woken.heard.swap(false, Ordering::AcqRel),
             }
         }
     }
