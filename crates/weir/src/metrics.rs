@@ -128,11 +128,11 @@ pub fn describe() {
     );
     describe_counter!(
         "weir_redis_replies_heard_total",
-        "`respond: wave` requests woken by a reply another engine posted, heard on the channel (Redis)"
+        "`respond: wave` requests that found the reply another engine posted when it was heard on the channel, not at a poll (Redis)"
     );
     describe_counter!(
         "weir_redis_adds_heard_total",
-        "Times this engine's waiting claims were woken by items another engine added while none of its own claims waited, heard on the channel (Redis)"
+        "Claims of this engine that took items another engine added while none of its own claims waited, woken by the add heard on the channel, not at a poll (Redis)"
     );
     describe_counter!(
         "weir_redis_foreign_entries_total",

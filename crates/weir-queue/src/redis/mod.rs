@@ -872,11 +872,9 @@ async fn hear_other_engines(
                     if m.get_channel_name() == added {
                         // Another engine's add (this one's own are told at once, not here).
                         if id != wakes.me && wakes.waiting.load(Ordering::Acquire) > 0 {
+                            // Counted by each claim this wake-up lets take items.
+                            wakes.heard.fetch_add(1, Ordering::AcqRel);
                             wakes.ready.notify_waiters();
-                            if let Some(h) = heard.upgrade() {
-                                h.adds_woke.fetch_add(1, Ordering::Relaxed);
-                            }
-                            metrics::counter!("weir_redis_adds_heard_total").increment(1);
                         }
                         continue;
                     }
@@ -961,7 +959,8 @@ struct Heard {
     /// Requests of this engine that found their reply, posted by another engine, when the
     /// channel woke them (not at a poll).
     woke: AtomicU64,
-    /// Times this engine's waiting claims were woken by an add another engine named.
+    /// Claims of this engine that took items when an add another engine named woke them
+    /// (not at a poll).
     adds_woke: AtomicU64,
 }
 
@@ -974,6 +973,9 @@ struct Heard {
 struct ClaimWakes {
     /// Told when items are made ready here, or heard to be made ready by another engine.
     ready: tokio::sync::Notify,
+    /// Adds of other engines heard so far (each one told through `ready`): a claim woken
+    /// while it moved was woken by the channel.
+    heard: AtomicU64,
     /// This engine's claims waiting for work now.
     waiting: AtomicUsize,
     /// This engine's name on the channel, so that it does not wake itself.
@@ -1233,6 +1235,7 @@ impl RedisQueue {
             waiting: AtomicUsize::new(0),
             me: Ulid::new().to_string(),
             named_at: AtomicI64::new(0),
+            heard: AtomicU64::new(0),
         });
         let listener = tokio::spawn(hear_other_engines(
             listen_on,
@@ -1343,8 +1346,8 @@ impl RedisQueue {
         self.heard.woke.load(Ordering::Relaxed)
     }
 
-    /// How many times this engine's waiting claims were woken by an add another engine
-    /// named on the channel of added items.
+    /// How many of this engine's waiting claims took items when an add another engine named
+    /// on the channel of added items woke them (not found by a poll).
     pub fn adds_heard(&self) -> u64 {
         self.heard.adds_woke.load(Ordering::Relaxed)
     }
@@ -1928,11 +1931,18 @@ impl WorkQueue for RedisQueue {
         let deadline = tokio::time::Instant::now() + wait;
         let (first, most) = self.poll_pauses();
         let mut pause = first;
+        // Whether this round follows a wake-up by another engine's add, heard on the channel.
+        let mut heard = false;
         loop {
             let woken = self.wakes.ready.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
+            let adds_heard = self.wakes.heard.load(Ordering::Acquire);
             let out = self.claim_round(consumer, max).await?;
+            if !out.is_empty() && heard {
+                self.heard.adds_woke.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("weir_redis_adds_heard_total").increment(1);
+            }
             if !out.is_empty() || tokio::time::Instant::now() >= deadline {
                 return Ok(out);
             }
@@ -1941,8 +1951,12 @@ impl WorkQueue for RedisQueue {
             tokio::select! {
                 _ = tokio::time::sleep(pause.min(left)) => {
                     pause = (pause * 2).min(most);
+                    heard = false;
                 }
-                _ = woken => pause = first,
+                _ = woken => {
+                    pause = first;
+                    heard = self.wakes.heard.load(Ordering::Acquire) != adds_heard;
+                }
             }
         }
     }
