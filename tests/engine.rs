@@ -841,6 +841,16 @@ nodes:
     assert_eq!(id_of(Some("k1")).await, first);
     let (one, two) = (id_of(None).await, id_of(None).await);
     assert!(one != two && one != first, "two new events: {one}, {two}");
+    for id in [one, two] {
+        weir_testkit::eventually(&format!("{id} to run"), SECS, || async {
+            let item = get_json(&e, &format!("/api/items/{id}")).await;
+            match item["state"] == "finished" {
+                true => Ok(()),
+                false => Err(item),
+            }
+        })
+        .await;
+    }
     e.shutdown().await;
 }
 
