@@ -1950,7 +1950,7 @@ impl WorkQueue for RedisQueue {
             let _waiting = WaitingClaim::new(&self.wakes.waiting);
             tokio::select! {
                 _ = tokio::time::sleep(pause.min(left)) => {
-                    pause = (pause * 2).min(most);
+                    pause = pause.saturating_mul(2).min(most);
                     heard = false;
                 }
                 _ = woken => {
@@ -2341,7 +2341,7 @@ impl WorkQueue for RedisQueue {
             }
             tokio::select! {
                 _ = tokio::time::sleep(pause.min(deadline - now)) => {
-                    pause = (pause * 2).min(most);
+                    pause = pause.saturating_mul(2).min(most);
                     heard = false;
                 }
                 _ = woken.notify.notified() => heard = woken.heard.swap(false, Ordering::AcqRel),
