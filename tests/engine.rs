@@ -62,7 +62,7 @@ nodes:
 /// A script's result is what it ends with, however it ends: naming `msg` last (which weir
 /// runs by taking the message out of the script's scope), a `msg` of its own, a closure that
 /// shares `msg`, an early `return` or `exit`, or an `exit` reached by a name the script
-/// builds.
+/// builds. Two scripts may define functions of the same name, each its own.
 #[tokio::test]
 async fn a_function_answers_what_its_script_ends_with() {
     let mut nodes = String::from("nodes:\n");
@@ -90,6 +90,9 @@ async fn a_function_answers_what_its_script_ends_with() {
             "if msg.payload.n > 5 { let f = Fn(\"ex\" + \"it\"); f.call(#{ payload: \"built\" }); }\nmsg",
         ),
         ("commented", "msg.payload.c = 1;\nmsg // passed on"),
+        // Every function node runs on one engine: a function a script defines stays its own.
+        ("fna", "fn f(x) { x + 1 }\nmsg.payload.f = f(msg.payload.n);\nmsg"),
+        ("fnb", "fn f(x) { x * 100 }\nmsg.payload.f = f(msg.payload.n);\nmsg"),
     ] {
         nodes.push_str(&format!(
             "  {name}: {{ type: webhook, path: {name}, respond: wave, to: [{name}-run] }}\n  {name}-run:\n    type: function\n    script: {script:?}\n    to: [{name}-answer]\n  {name}-answer: {{ type: http-response }}\n"
@@ -109,6 +112,8 @@ async fn a_function_answers_what_its_script_ends_with() {
         ("built", 1, json!({"n": 1})),
         ("built", 9, json!("built")),
         ("commented", 1, json!({"n": 1, "c": 1})),
+        ("fna", 2, json!({"n": 2, "f": 3})),
+        ("fnb", 2, json!({"n": 2, "f": 200})),
     ] {
         let r = post_json(&e, path, json!({ "n": n })).await;
         assert_eq!(r.status(), 200, "{path} {n}");

@@ -38,6 +38,43 @@ impl NodeFactory for Factory {
 
     fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: Config = config(y)?;
+        let engine = engine();
+        let style = y
+            .get("script")
+            .map(|(_, v)| match v.kind {
+                weir_flow::YamlKind::Str(_, s) => s,
+                _ => weir_flow::Style::Plain,
+            })
+            .unwrap_or(weir_flow::Style::Plain);
+        let ast =
+            script::compile(engine, &c.script, c.script.pos, style, false).map_err(|e| vec![e])?;
+        // A script that ends by naming `msg` (most do) runs without that last statement, and
+        // its message is then taken out of the scope: evaluating `msg` copied the whole
+        // message, which the scope then dropped.
+        let body = ends_with_msg(&c.script)
+            .and_then(|n| script::compile(engine, &c.script[..n], c.script.pos, style, false).ok());
+        let (ast, takes_msg) = match body {
+            Some(body) => (body, true),
+            None => (ast, false),
+        };
+        let uses_state = names(&c.script, "state");
+        Ok(Built {
+            node: Arc::new(Function {
+                engine,
+                ast,
+                takes_msg,
+                uses_state,
+            }),
+            ports: vec![c.to.0],
+        })
+    }
+}
+
+/// The engine every function node runs its script on: weir's limits, and `state` reaching
+/// the node's memory. One for all of them (see [`script::shared`]).
+fn engine() -> &'static Engine {
+    static ENGINE: std::sync::OnceLock<Engine> = std::sync::OnceLock::new();
+    ENGINE.get_or_init(|| {
         let mut engine = script::engine();
         engine
             .register_type_with_name::<ScriptState>("State")
@@ -56,40 +93,12 @@ impl NodeFactory for Factory {
                     .1
                     .insert(k.to_string(), v);
             });
-        let style = y
-            .get("script")
-            .map(|(_, v)| match v.kind {
-                weir_flow::YamlKind::Str(_, s) => s,
-                _ => weir_flow::Style::Plain,
-            })
-            .unwrap_or(weir_flow::Style::Plain);
-        let ast =
-            script::compile(&engine, &c.script, c.script.pos, style, false).map_err(|e| vec![e])?;
-        // A script that ends by naming `msg` (most do) runs without that last statement, and
-        // its message is then taken out of the scope: evaluating `msg` copied the whole
-        // message, which the scope then dropped.
-        let body = ends_with_msg(&c.script).and_then(|n| {
-            script::compile(&engine, &c.script[..n], c.script.pos, style, false).ok()
-        });
-        let (ast, takes_msg) = match body {
-            Some(body) => (body, true),
-            None => (ast, false),
-        };
-        let uses_state = names(&c.script, "state");
-        Ok(Built {
-            node: Arc::new(Function {
-                engine,
-                ast,
-                takes_msg,
-                uses_state,
-            }),
-            ports: vec![c.to.0],
-        })
-    }
+        engine
+    })
 }
 
 struct Function {
-    engine: Engine,
+    engine: &'static Engine,
     /// The script, or all of it but its last statement `msg` when `takes_msg`.
     ast: AST,
     /// The result is `msg` as the script left it in the scope (see [`ends_with_msg`]).

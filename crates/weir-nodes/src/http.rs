@@ -55,9 +55,9 @@ impl NodeFactory for RequestFactory {
 
     fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: RequestConfig = config(y)?;
-        let engine = script::engine();
+        let engine = script::shared();
         let mut errors = Vec::new();
-        let url = Template::compile(&engine, &c.url, c.url.pos)
+        let url = Template::compile(engine, &c.url, c.url.pos)
             .map_err(|e| errors.push(e))
             .ok();
         if let Some(u) = &url {
@@ -97,7 +97,7 @@ impl NodeFactory for RequestFactory {
 }
 
 struct Request {
-    engine: Engine,
+    engine: &'static Engine,
     url: Template,
     method: reqwest::Method,
     headers: BTreeMap<String, String>,
@@ -111,7 +111,7 @@ impl Node for Request {
     }
 
     async fn call(&self, mut msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
-        let url = script::running(cx, || self.url.render(&self.engine, &msg))?;
+        let url = script::running(cx, || self.url.render(self.engine, &msg))?;
         let mut req = client()
             .request(self.method.clone(), &url)
             .timeout(self.timeout)

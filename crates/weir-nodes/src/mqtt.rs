@@ -518,11 +518,11 @@ impl NodeFactory for OutFactory {
 
     fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: OutConfig = config(y)?;
-        let engine = script::engine();
+        let engine = script::shared();
         let mut errors = Vec::new();
         let topic = match &c.topic {
             Some(t) => {
-                let tpl = Template::compile(&engine, t, t.pos)
+                let tpl = Template::compile(engine, t, t.pos)
                     .map_err(|e| errors.push(e))
                     .ok();
                 if let Some(tp) = &tpl {
@@ -563,7 +563,7 @@ impl NodeFactory for OutFactory {
 struct Out {
     hub: Arc<MqttHub>,
     broker: Option<String>,
-    engine: rhai::Engine,
+    engine: &'static rhai::Engine,
     topic: Option<Template>,
     qos: QoS,
     retain: bool,
@@ -586,7 +586,7 @@ impl Node for Out {
 
     async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let topic = match &self.topic {
-            Some(t) => script::running(cx, || t.render(&self.engine, &msg))?,
+            Some(t) => script::running(cx, || t.render(self.engine, &msg))?,
             None => match msg.get("topic") {
                 Some(Value::String(t)) => t.clone(),
                 _ => {

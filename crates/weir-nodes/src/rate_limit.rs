@@ -96,9 +96,9 @@ impl NodeFactory for Factory {
         let rate = weir_limit::parse_rate(&c.rate)
             .map_err(|e| errors.push(ConfigError::at(c.rate.pos, e)))
             .ok();
-        let engine = script::engine();
+        let engine = script::shared();
         let per = c.per.as_ref().and_then(|p| {
-            script::compile(&engine, p, p.pos, weir_flow::Style::Plain, true)
+            script::compile(engine, p, p.pos, weir_flow::Style::Plain, true)
                 .map_err(|e| errors.push(e))
                 .ok()
         });
@@ -141,7 +141,7 @@ struct RateLimit {
     every: Duration,
     burst: u32,
     scope: Scope,
-    engine: Engine,
+    engine: &'static Engine,
     per: Option<AST>,
     overflow: Overflow,
     max_queue: u64,
@@ -160,7 +160,7 @@ impl RateLimit {
         let Some(ast) = &self.per else {
             return Ok(String::new());
         };
-        let v = script::from_dynamic(&script::eval(&self.engine, ast, msg)?)?;
+        let v = script::from_dynamic(&script::eval(self.engine, ast, msg)?)?;
         Ok(match v {
             Value::String(s) => s,
             other => other.to_string(),

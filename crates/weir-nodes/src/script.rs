@@ -22,6 +22,14 @@ fn standard_library() -> rhai::Shared<rhai::Module> {
         .clone()
 }
 
+/// The engine every node's templates, conditions and `per` expressions run on: one for all
+/// of them, since none registers anything of its own. An engine per node cost each of a
+/// thousand flows its own copy of the engine's tables, cold in the cache when its event came.
+pub fn shared() -> &'static Engine {
+    static SHARED: std::sync::OnceLock<Engine> = std::sync::OnceLock::new();
+    SHARED.get_or_init(engine)
+}
+
 /// An engine with weir's limits: the standard library, no module resolver (a script cannot
 /// `import` a file), `print` and `debug` into the engine's log.
 pub fn engine() -> Engine {

@@ -46,17 +46,15 @@ impl NodeFactory for Factory {
                 "a set node needs at least one of `set`, `delete` or `copy`",
             )]);
         }
-        let engine = script::engine();
+        let engine = script::shared();
         let mut errors = Vec::new();
         let mut sets = Vec::new();
         for (path, v) in c.set {
             match &v.value {
-                Value::String(s) if s.contains("{{") => {
-                    match Template::compile(&engine, s, v.pos) {
-                        Ok(t) => sets.push((path, SetValue::Template(t))),
-                        Err(e) => errors.push(e),
-                    }
-                }
+                Value::String(s) if s.contains("{{") => match Template::compile(engine, s, v.pos) {
+                    Ok(t) => sets.push((path, SetValue::Template(t))),
+                    Err(e) => errors.push(e),
+                },
                 other => sets.push((path, SetValue::Literal(other.clone()))),
             }
         }
@@ -76,7 +74,7 @@ impl NodeFactory for Factory {
 }
 
 struct Set {
-    engine: Engine,
+    engine: &'static Engine,
     sets: Vec<(String, SetValue)>,
     delete: Vec<String>,
     copy: Vec<(String, String)>,
@@ -94,7 +92,7 @@ impl Node for Set {
             let v = match v {
                 SetValue::Literal(v) => v.clone(),
                 SetValue::Template(t) => {
-                    Value::String(script::running(cx, || t.render(&self.engine, &original))?)
+                    Value::String(script::running(cx, || t.render(self.engine, &original))?)
                 }
             };
             set_path(&mut msg, path, v);

@@ -47,12 +47,12 @@ impl NodeFactory for Factory {
 
     fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: Config = config(y)?;
-        let engine = script::engine();
+        let engine = script::shared();
         let mut errors = Vec::new();
         let mut conds = Vec::new();
         let mut ports = Vec::new();
         for r in c.rules {
-            match script::compile(&engine, &r.cond, r.cond.pos, weir_flow::Style::Plain, true) {
+            match script::compile(engine, &r.cond, r.cond.pos, weir_flow::Style::Plain, true) {
                 Ok(ast) => conds.push(ast),
                 Err(e) => errors.push(e),
             }
@@ -74,7 +74,7 @@ impl NodeFactory for Factory {
 }
 
 struct Switch {
-    engine: Engine,
+    engine: &'static Engine,
     all: bool,
     conds: Vec<AST>,
 }
@@ -85,7 +85,7 @@ impl Node for Switch {
         let mut ports = vec![Vec::new(); self.conds.len() + 1];
         let mut matched = false;
         for (i, ast) in self.conds.iter().enumerate() {
-            let v = script::running(cx, || script::eval(&self.engine, ast, &msg))?;
+            let v = script::running(cx, || script::eval(self.engine, ast, &msg))?;
             let hit = v.as_bool().map_err(|t| {
                 NodeError::Permanent(format!("switch rule {} gave {t}, not true or false", i + 1))
             })?;
