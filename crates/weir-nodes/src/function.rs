@@ -60,7 +60,6 @@ impl NodeFactory for Factory {
         let uses_state = names(&c.script, "state");
         Ok(Built {
             node: Arc::new(Function {
-                engine,
                 ast,
                 takes_msg,
                 uses_state,
@@ -98,7 +97,6 @@ fn engine() -> &'static Engine {
 }
 
 struct Function {
-    engine: &'static Engine,
     /// The script, or all of it but its last statement `msg` when `takes_msg`.
     ast: AST,
     /// The result is `msg` as the script left it in the scope (see [`ends_with_msg`]).
@@ -131,8 +129,7 @@ impl Node for Function {
             false => None,
         };
         let out = script::running(cx, || {
-            self.engine
-                .eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
+            engine().eval_ast_with_scope::<Dynamic>(&mut scope, &self.ast)
         })
         .map_err(run_error)?;
         let out = match self.takes_msg {

@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use rhai::Engine;
 use serde::Deserialize;
 use serde_json::Value;
 use weir_flow::{Spanned, Yaml};
@@ -83,7 +82,6 @@ impl NodeFactory for RequestFactory {
         match (url, method, timeout) {
             (Some(url), Some(method), Some(timeout)) if errors.is_empty() => Ok(Built {
                 node: Arc::new(Request {
-                    engine,
                     url,
                     method,
                     headers: c.headers,
@@ -97,7 +95,6 @@ impl NodeFactory for RequestFactory {
 }
 
 struct Request {
-    engine: &'static Engine,
     url: Template,
     method: reqwest::Method,
     headers: BTreeMap<String, String>,
@@ -111,7 +108,7 @@ impl Node for Request {
     }
 
     async fn call(&self, mut msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
-        let url = script::running(cx, || self.url.render(self.engine, &msg))?;
+        let url = script::running(cx, || self.url.render(script::shared(), &msg))?;
         let mut req = client()
             .request(self.method.clone(), &url)
             .timeout(self.timeout)

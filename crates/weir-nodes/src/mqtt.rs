@@ -549,7 +549,6 @@ impl NodeFactory for OutFactory {
             node: Arc::new(Out {
                 hub: self.0.clone(),
                 broker,
-                engine,
                 topic,
                 qos: q,
                 retain: c.retain,
@@ -563,7 +562,6 @@ impl NodeFactory for OutFactory {
 struct Out {
     hub: Arc<MqttHub>,
     broker: Option<String>,
-    engine: &'static rhai::Engine,
     topic: Option<Template>,
     qos: QoS,
     retain: bool,
@@ -586,7 +584,7 @@ impl Node for Out {
 
     async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let topic = match &self.topic {
-            Some(t) => script::running(cx, || t.render(self.engine, &msg))?,
+            Some(t) => script::running(cx, || t.render(script::shared(), &msg))?,
             None => match msg.get("topic") {
                 Some(Value::String(t)) => t.clone(),
                 _ => {

