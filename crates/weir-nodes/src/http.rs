@@ -54,9 +54,8 @@ impl NodeFactory for RequestFactory {
 
     fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: RequestConfig = config(y)?;
-        let engine = script::shared();
         let mut errors = Vec::new();
-        let url = Template::compile(engine, &c.url, c.url.pos)
+        let url = Template::compile(&c.url, c.url.pos)
             .map_err(|e| errors.push(e))
             .ok();
         if let Some(u) = &url {
@@ -108,7 +107,7 @@ impl Node for Request {
     }
 
     async fn call(&self, mut msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
-        let url = script::running(cx, || self.url.render(script::shared(), &msg))?;
+        let url = script::running(cx, || self.url.render(&msg))?;
         let mut req = client()
             .request(self.method.clone(), &url)
             .timeout(self.timeout)

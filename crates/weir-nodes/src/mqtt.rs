@@ -518,13 +518,10 @@ impl NodeFactory for OutFactory {
 
     fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: OutConfig = config(y)?;
-        let engine = script::shared();
         let mut errors = Vec::new();
         let topic = match &c.topic {
             Some(t) => {
-                let tpl = Template::compile(engine, t, t.pos)
-                    .map_err(|e| errors.push(e))
-                    .ok();
+                let tpl = Template::compile(t, t.pos).map_err(|e| errors.push(e)).ok();
                 if let Some(tp) = &tpl {
                     if tp.is_literal() && !rumqttc::valid_topic(&t.value) {
                         errors.push(ConfigError::at(
@@ -584,7 +581,7 @@ impl Node for Out {
 
     async fn call(&self, msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let topic = match &self.topic {
-            Some(t) => script::running(cx, || t.render(script::shared(), &msg))?,
+            Some(t) => script::running(cx, || t.render(&msg))?,
             None => match msg.get("topic") {
                 Some(Value::String(t)) => t.clone(),
                 _ => {

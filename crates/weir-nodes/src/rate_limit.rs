@@ -158,7 +158,7 @@ impl RateLimit {
         let Some(ast) = &self.per else {
             return Ok(String::new());
         };
-        let v = script::from_dynamic(&script::eval(script::shared(), ast, msg)?)?;
+        let v = script::from_dynamic(&script::eval(ast, msg)?)?;
         Ok(match v {
             Value::String(s) => s,
             other => other.to_string(),

@@ -245,16 +245,16 @@ pub fn run_error(e: Box<rhai::EvalAltResult>) -> NodeError {
     }
 }
 
-/// Evaluate a compiled expression with `msg` in scope.
-pub fn eval(engine: &Engine, ast: &AST, msg: &Value) -> Result<Dynamic, NodeError> {
+/// Evaluate a compiled expression with `msg` in scope, on the [`shared`] engine.
+pub fn eval(ast: &AST, msg: &Value) -> Result<Dynamic, NodeError> {
     let mut scope = Scope::new();
     scope.push("msg", to_dynamic(msg));
-    engine
+    shared()
         .eval_ast_with_scope::<Dynamic>(&mut scope, ast)
         .map_err(run_error)
 }
 
-/// A string with `{{ expr }}` parts.
+/// A string with `{{ expr }}` parts, compiled and rendered on the [`shared`] engine.
 #[derive(Clone)]
 pub struct Template {
     parts: Vec<Part>,
@@ -267,7 +267,7 @@ enum Part {
 }
 
 impl Template {
-    pub fn compile(engine: &Engine, src: &str, at: Pos) -> Result<Template, ConfigError> {
+    pub fn compile(src: &str, at: Pos) -> Result<Template, ConfigError> {
         let mut parts = Vec::new();
         let mut rest = src;
         let mut offset = 0;
@@ -279,7 +279,7 @@ impl Template {
                 return Err(ConfigError::at(at, "`{{` without a closing `}}`"));
             };
             let expr = &rest[start + 2..start + len];
-            let ast = engine.compile_expression(expr.trim()).map_err(|e| {
+            let ast = shared().compile_expression(expr.trim()).map_err(|e| {
                 ConfigError::at(
                     Pos {
                         line: at.line,
@@ -302,13 +302,13 @@ impl Template {
         self.parts.iter().all(|p| matches!(p, Part::Lit(_)))
     }
 
-    pub fn render(&self, engine: &Engine, msg: &Value) -> Result<String, NodeError> {
+    pub fn render(&self, msg: &Value) -> Result<String, NodeError> {
         let mut out = String::new();
         for p in &self.parts {
             match p {
                 Part::Lit(s) => out.push_str(s),
                 Part::Expr(ast) => {
-                    let d = eval(engine, ast, msg)?;
+                    let d = eval(ast, msg)?;
                     if d.is_string() {
                         out.push_str(&d.into_string().unwrap_or_default());
                     } else {
@@ -368,9 +368,8 @@ mod tests {
 
     /// Run `src` as a script against `{}` and give the failure's reason.
     fn fails_with(src: &str) -> String {
-        let e = engine();
-        let ast = e.compile(src).expect("compiles");
-        match eval(&e, &ast, &json!({})) {
+        let ast = shared().compile(src).expect("compiles");
+        match eval(&ast, &json!({})) {
             Err(NodeError::Permanent(reason)) => reason,
             other => panic!("{src}: expected a permanent failure, got {other:?}"),
         }
@@ -457,16 +456,9 @@ mod tests {
 
     #[test]
     fn templates_render_expressions() {
-        let e = engine();
-        let t = Template::compile(
-            &e,
-            "alerts/{{ msg.payload.room }}/{{ 1 + 1 }}",
-            Pos::default(),
-        )
-        .unwrap();
-        let out = t
-            .render(&e, &json!({"payload": {"room": "kitchen"}}))
-            .unwrap();
+        let t =
+            Template::compile("alerts/{{ msg.payload.room }}/{{ 1 + 1 }}", Pos::default()).unwrap();
+        let out = t.render(&json!({"payload": {"room": "kitchen"}})).unwrap();
         assert_eq!(out, "alerts/kitchen/2");
     }
 
@@ -481,9 +473,8 @@ mod tests {
 
     #[test]
     fn runaway_script_is_stopped() {
-        let e = engine();
-        let ast = e.compile("loop { }").unwrap();
-        let err = eval(&e, &ast, &json!({})).unwrap_err();
+        let ast = shared().compile("loop { }").unwrap();
+        let err = eval(&ast, &json!({})).unwrap_err();
         assert!(
             matches!(err, NodeError::Permanent(ref m) if m.contains("operations")),
             "{err:?}"

@@ -45,12 +45,11 @@ impl NodeFactory for Factory {
                 "a set node needs at least one of `set`, `delete` or `copy`",
             )]);
         }
-        let engine = script::shared();
         let mut errors = Vec::new();
         let mut sets = Vec::new();
         for (path, v) in c.set {
             match &v.value {
-                Value::String(s) if s.contains("{{") => match Template::compile(engine, s, v.pos) {
+                Value::String(s) if s.contains("{{") => match Template::compile(s, v.pos) {
                     Ok(t) => sets.push((path, SetValue::Template(t))),
                     Err(e) => errors.push(e),
                 },
@@ -88,9 +87,9 @@ impl Node for Set {
         for (path, v) in &self.sets {
             let v = match v {
                 SetValue::Literal(v) => v.clone(),
-                SetValue::Template(t) => Value::String(script::running(cx, || {
-                    t.render(script::shared(), &original)
-                })?),
+                SetValue::Template(t) => {
+                    Value::String(script::running(cx, || t.render(&original))?)
+                }
             };
             set_path(&mut msg, path, v);
         }

@@ -83,7 +83,7 @@ impl Node for Switch {
         let mut ports = vec![Vec::new(); self.conds.len() + 1];
         let mut matched = false;
         for (i, ast) in self.conds.iter().enumerate() {
-            let v = script::running(cx, || script::eval(script::shared(), ast, &msg))?;
+            let v = script::running(cx, || script::eval(ast, &msg))?;
             let hit = v.as_bool().map_err(|t| {
                 NodeError::Permanent(format!("switch rule {} gave {t}, not true or false", i + 1))
             })?;
