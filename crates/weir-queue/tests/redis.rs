@@ -51,11 +51,8 @@ async fn refused(url: &str, opts: RedisOptions) -> String {
 #[tokio::test]
 async fn dead_letters_past_the_cap_are_evicted_visibly() {
     let server = RedisServer::start();
-    let opts = RedisOptions {
-        dead_cap: 3,
-        ..RedisOptions::default()
-    };
-    let q = RedisQueue::connect(&server.url(), opts, Failpoints::new())
+    // The cap as a user sets it, on the queue's URL (`RedisOptions::dead_cap`).
+    let q = weir_queue::open(&format!("{}?dead_cap=3", server.url()), Failpoints::new())
         .await
         .unwrap();
     let items: Vec<_> = (0..5).map(item).collect();

@@ -29,8 +29,9 @@ enum Cmd {
         #[arg(default_value = "flows")]
         flows: PathBuf,
         /// Queue backend: `sqlite:PATH` (durable, no server), `redis://HOST:PORT[/DB]`
-        /// (several engines share it; `?shards=N&ns=NAME`), or `memory` (lost on exit); each
-        /// takes `?max_ready=N` (100000): past it webhooks answer 429.
+        /// (several engines share it; `?shards=N&ns=NAME&poll=25ms&dead_cap=100000`), or
+        /// `memory` (lost on exit); each takes `?max_ready=N` (100000): past it webhooks
+        /// answer 429.
         #[arg(long, env = "WEIR_QUEUE", default_value = weir::DEFAULT_QUEUE)]
         queue: String,
         /// The MQTT broker for mqtt-in and mqtt-out: `mqtt://[USER:PASSWORD@]HOST:PORT`

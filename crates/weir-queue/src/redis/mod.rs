@@ -644,13 +644,14 @@ pub struct RedisOptions {
     pub shards: u32,
     /// Past this many ready items (per shard) `add` answers `Full`.
     pub max_ready: usize,
-    /// Dead letters kept per shard; past it the oldest is evicted, counted in
-    /// `Stats::dead_evicted`, and its record says so.
+    /// Dead letters kept per shard (100,000, or the URL's `dead_cap=`); past it the oldest
+    /// is evicted, counted in `Stats::dead_evicted`, and its record says so.
     pub dead_cap: usize,
     /// The longest pause between two polls of a waiting claim or `respond: wave` request
-    /// (25 ms; the first pauses are shorter, from 2 ms doubling). The channels of added
-    /// items and posted replies wake them sooner, so a longer pause costs an idle engine's
-    /// Redis less, at the price of that much latency while the channels are not heard.
+    /// (25 ms, or the URL's `poll=`; the first pauses are shorter, from 2 ms doubling). The
+    /// channels of added items and posted replies wake them sooner, so a longer pause costs
+    /// an idle engine's Redis less, at the price of that much latency while the channels are
+    /// not heard.
     pub poll: Duration,
 }
 
