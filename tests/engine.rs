@@ -358,6 +358,54 @@ nodes:
     e.shutdown().await;
 }
 
+/// A password in an http-request's URL is sent (as basic auth) and never shown: a failure's
+/// reason, which the dead letter, the log and a `respond: wave` answer carry, names the
+/// server with `***` for the password, whether the server answered 4xx or could not be
+/// reached at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_in_a_url_is_never_shown_in_a_failure() {
+    let sink = Sink::start().await;
+    let closed = weir_queue::testing::free_port();
+    let with_password = |url: String| url.replace("http://", "http://weir:hunter2@");
+    let flow = format!(
+        r#"
+nodes:
+  refused: {{ type: webhook, path: refused, respond: wave, timeout: 20s, to: [told] }}
+  told: {{ type: http-request, url: "{}", to: [answer] }}
+  away: {{ type: webhook, path: away, respond: wave, timeout: 20s, to: [gone] }}
+  gone: {{ type: http-request, url: "http://weir:hunter2@127.0.0.1:{closed}/x", retry: {{ initial: 50ms, max: 100ms }}, to: [answer] }}
+  answer: {{ type: http-response }}
+"#,
+        with_password(sink.url("in"))
+    );
+    let mut exec = weir_testkit::test_exec();
+    exec.max_age = Duration::from_millis(500);
+    let e = weir_testkit::start_exec("memory", exec, &[("secret.yaml", &flow)]).await;
+
+    sink.fail_next(&[404]);
+    let r = post_json(&e, "refused", json!({"n": 1})).await;
+    let (_, body) = told(r, 500).await;
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains("answered 404") && error.contains("http://weir:***@127.0.0.1:"),
+        "{body}"
+    );
+    assert!(!body.to_string().contains("hunter2"), "{body}");
+    let dead = body["dead_letters"][0].as_str().unwrap();
+    let item = get_json(&e, &format!("/api/items/{dead}")).await;
+    assert!(!item.to_string().contains("hunter2"), "{item}");
+
+    let r = post_json(&e, "away", json!({"n": 2})).await;
+    let (_, body) = told(r, 500).await;
+    let error = body["error"].as_str().unwrap();
+    assert!(
+        error.contains("expired") && error.contains(&format!("weir:***@127.0.0.1:{closed}")),
+        "{body}"
+    );
+    assert!(!body.to_string().contains("hunter2"), "{body}");
+    e.shutdown().await;
+}
+
 /// A request told its wave ended unanswered: `status`, and a body naming the request's own
 /// item (the one its `x-weir-item` header names). Returns that id and the body.
 async fn told(r: reqwest::Response, status: u16) -> (String, Value) {

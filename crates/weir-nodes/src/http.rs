@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 use weir_flow::{Spanned, Yaml};
-use weir_queue::{Message, Reply, ReplyBody};
+use weir_queue::{shown, Message, Reply, ReplyBody};
 
 use crate::duration::Dur;
 use crate::script::{self, Template};
@@ -118,10 +118,10 @@ impl Node for Request {
         if self.method != reqwest::Method::GET {
             req = req.json(msg.get("payload").unwrap_or(&Value::Null));
         }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| NodeError::transient(format!("{} {url}: {e}", self.method)))?;
+        let resp = req.send().await.map_err(|e| {
+            let (url, e) = (shown::url(&url), e.without_url());
+            NodeError::transient(format!("{} {url}: {e}", self.method))
+        })?;
         let status = resp.status();
         let retry_after = resp
             .headers()
@@ -129,10 +129,10 @@ impl Node for Request {
             .and_then(|v| v.to_str().ok())
             .and_then(|s| s.parse::<u64>().ok())
             .map(Duration::from_secs);
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| NodeError::transient(format!("{url}: reading the answer: {e}")))?;
+        let bytes = resp.bytes().await.map_err(|e| {
+            let (url, e) = (shown::url(&url), e.without_url());
+            NodeError::transient(format!("{url}: reading the answer: {e}"))
+        })?;
         let body = serde_json::from_slice::<Value>(&bytes)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
         if status.is_server_error()
@@ -140,14 +140,15 @@ impl Node for Request {
             || status == reqwest::StatusCode::REQUEST_TIMEOUT
         {
             return Err(NodeError::Transient {
-                reason: format!("{} {url} answered {status}", self.method),
+                reason: format!("{} {} answered {status}", self.method, shown::url(&url)),
                 retry_after,
             });
         }
         if status.is_client_error() {
             return Err(NodeError::Permanent(format!(
-                "{} {url} answered {status}: {body}",
-                self.method
+                "{} {} answered {status}: {body}",
+                self.method,
+                shown::url(&url)
             )));
         }
         if let Some(o) = msg.as_object_mut() {

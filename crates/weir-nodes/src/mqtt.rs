@@ -91,12 +91,14 @@ pub const DEFAULT_BROKER: &str = "mqtt://127.0.0.1:1883";
 
 impl Broker {
     pub fn parse(url: &str) -> Result<Broker, String> {
+        // In errors: the URL with its password hidden.
+        let shown = weir_queue::shown::url(url);
         let (tls, rest) = match url.split_once("://") {
             Some(("mqtt" | "tcp", rest)) => (false, rest),
             Some(("mqtts" | "ssl", rest)) => (true, rest),
             _ => {
                 return Err(format!(
-                    "`{url}` is not a broker URL: mqtt://HOST:PORT or mqtts://HOST:PORT"
+                    "`{shown}` is not a broker URL: mqtt://HOST:PORT or mqtts://HOST:PORT"
                 ))
             }
         };
@@ -113,12 +115,12 @@ impl Broker {
                 Some(("ca", v)) if !v.is_empty() && tls => ca = Some(v.to_string()),
                 Some(("inflight", v)) => {
                     inflight = v.parse().ok().filter(|n| (1..=1000).contains(n)).ok_or_else(|| {
-                        format!("`{url}`: `inflight={v}` is a number from 1 to 1000")
+                        format!("`{shown}`: `inflight={v}` is a number from 1 to 1000")
                     })?
                 }
                 Some(("max_packet", v)) => {
                     max_packet = v.parse().ok().filter(|n| (1024..=256 << 20).contains(n)).ok_or_else(|| {
-                        format!("`{url}`: `max_packet={v}` is a size in bytes from 1024 to 268435456")
+                        format!("`{shown}`: `max_packet={v}` is a size in bytes from 1024 to 268435456")
                     })?
                 }
                 Some(("share", v)) if !v.is_empty() && !v.contains(['/', '+', '#']) => {
@@ -126,7 +128,7 @@ impl Broker {
                 }
                 _ => {
                     return Err(format!(
-                        "`{url}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP, max_packet=BYTES, inflight=N; with mqtts, ca=PATH)"
+                        "`{shown}`: unknown or empty setting `{pair}` (client_id=ID, share=GROUP, max_packet=BYTES, inflight=N; with mqtts, ca=PATH)"
                     ))
                 }
             }
@@ -139,12 +141,12 @@ impl Broker {
             Some((h, p)) => (
                 h,
                 p.parse::<u16>()
-                    .map_err(|_| format!("`{url}`: `{p}` is not a port"))?,
+                    .map_err(|_| format!("`{shown}`: `{p}` is not a port"))?,
             ),
             None => (hostport, if tls { 8883 } else { 1883 }),
         };
         if host.is_empty() {
-            return Err(format!("`{url}` names no host"));
+            return Err(format!("`{shown}` names no host"));
         }
         let (username, password) = match creds {
             Some(c) => match c.split_once(':') {
@@ -156,7 +158,7 @@ impl Broker {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let tls = if tls {
             let ca = ca.or_else(|| env("WEIR_MQTT_CA_FILE"));
-            Some(tls_config(ca.as_deref()).map_err(|e| format!("`{url}`: {e}"))?)
+            Some(tls_config(ca.as_deref()).map_err(|e| format!("`{shown}`: {e}"))?)
         } else {
             None
         };
@@ -712,6 +714,28 @@ mod tests {
         assert!(Broker::parse("mqtt://h:x")
             .unwrap_err()
             .contains("not a port"));
+    }
+
+    #[test]
+    fn a_bad_broker_url_is_named_without_its_password() {
+        for (url, says) in [
+            (
+                "mqtt://u:hunter2@h:x",
+                "`mqtt://u:***@h:x`: `x` is not a port",
+            ),
+            (
+                "mqtt://u:hunter2@h?bogus=1",
+                "`mqtt://u:***@h?bogus=1`: unknown or empty",
+            ),
+            (
+                "mqtt://u:hunter2@h?inflight=0",
+                "`mqtt://u:***@h?inflight=0`: `inflight=0`",
+            ),
+            ("mqtt://u:hunter2@", "`mqtt://u:***@` names no host"),
+        ] {
+            let e = Broker::parse(url).unwrap_err();
+            assert!(e.contains(says) && !e.contains("hunter2"), "{url}: {e}");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ mod item;
 pub mod memory;
 pub mod redis;
 mod replies;
+pub mod shown;
 pub mod sqlite;
 
 #[cfg(feature = "conformance")]
@@ -544,7 +545,8 @@ pub async fn open(
         return Ok(Arc::new(RedisQueue::connect(&url, opts, failpoints).await?));
     }
     Err(QueueError::Open(format!(
-        "`{url}` names no queue backend: use memory, sqlite:PATH, redis://HOST:PORT or redis-cluster://HOST:PORT,…"
+        "`{}` names no queue backend: use memory, sqlite:PATH, redis://HOST:PORT or redis-cluster://HOST:PORT,…",
+        shown::url(url)
     )))
 }
 
@@ -557,7 +559,7 @@ fn redis_options(url: &str, max_ready: usize) -> Result<(String, RedisOptions), 
         ..RedisOptions::default()
     };
     let bad = |what: &str, v: &str, want: &str| {
-        QueueError::Open(format!("`{what}={v}` in {base}: {want}"))
+        QueueError::Open(format!("`{what}={v}` in {}: {want}", shown::url(base)))
     };
     let mut rest = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -606,7 +608,10 @@ fn take_max_ready(url: &str) -> Result<(String, usize), QueueError> {
         match pair.split_once('=') {
             Some(("max_ready", v)) => {
                 max = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-                    QueueError::Open(format!("`max_ready={v}` in {base}: a number above 0"))
+                    QueueError::Open(format!(
+                        "`max_ready={v}` in {}: a number above 0",
+                        shown::url(base)
+                    ))
                 })?
             }
             _ => rest.push(pair),
@@ -648,6 +653,40 @@ mod tests {
             (o.poll, o.dead_cap, o.shards),
             (d.poll, d.dead_cap, d.shards)
         );
+    }
+
+    /// An engine that cannot open its Redis says which server, and not its password.
+    #[tokio::test]
+    async fn a_redis_url_is_named_in_an_error_without_its_password() {
+        let port = testing::free_port();
+        for (url, says) in [
+            (
+                format!("redis://:hunter2@127.0.0.1:{port}"),
+                format!("cannot reach Redis at redis://:***@127.0.0.1:{port}"),
+            ),
+            (
+                format!("redis://weir:hunter2@127.0.0.1:{port}?shards=x"),
+                format!("`shards=x` in redis://weir:***@127.0.0.1:{port}"),
+            ),
+            (
+                format!("redis://:hunter2@127.0.0.1:{port}?max_ready=0"),
+                format!("`max_ready=0` in redis://:***@127.0.0.1:{port}"),
+            ),
+            (
+                format!("redis-cluster://:hunter2@127.0.0.1:{port}"),
+                format!("the Redis Cluster at redis-cluster://:***@127.0.0.1:{port}"),
+            ),
+            (
+                "postgres://weir:hunter2@db/weir".to_string(),
+                "`postgres://weir:***@db/weir` names no queue backend".to_string(),
+            ),
+        ] {
+            let Err(e) = open(&url, Failpoints::new()).await else {
+                panic!("{url} opened");
+            };
+            let e = e.to_string();
+            assert!(e.contains(&says) && !e.contains("hunter2"), "{url}: {e}");
+        }
     }
 
     #[test]

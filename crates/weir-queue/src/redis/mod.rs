@@ -1186,11 +1186,13 @@ impl RedisQueue {
         // cuts a dead connection. Reconnects are quick and few: while the server is down a
         // caller should hear so at once (a webhook answers 503), and the executor's loop does
         // the backing off.
+        // In errors: the URL with its password hidden.
+        let shown = crate::shown::url(url);
         let conn = match cluster_seeds(url) {
             Some(seeds) => {
                 if seeds.is_empty() {
                     return Err(QueueError::Open(format!(
-                        "`{url}` names no node: write redis-cluster://HOST:PORT[,HOST:PORT…]"
+                        "`{shown}` names no node: write redis-cluster://HOST:PORT[,HOST:PORT…]"
                     )));
                 }
                 let client = redis::cluster::ClusterClientBuilder::new(seeds)
@@ -1198,14 +1200,14 @@ impl RedisQueue {
                     .response_timeout(Duration::from_secs(5))
                     .retries(2)
                     .build()
-                    .map_err(|e| QueueError::Open(format!("`{url}`: {e}")))?;
+                    .map_err(|e| QueueError::Open(format!("`{shown}`: {e}")))?;
                 Conn::Cluster(client.get_async_connection().await.map_err(|e| {
-                    QueueError::Open(format!("cannot reach the Redis Cluster at {url}: {e}"))
+                    QueueError::Open(format!("cannot reach the Redis Cluster at {shown}: {e}"))
                 })?)
             }
             None => {
                 let client = redis::Client::open(url)
-                    .map_err(|e| QueueError::Open(format!("`{url}` is not a Redis URL: {e}")))?;
+                    .map_err(|e| QueueError::Open(format!("`{shown}` is not a Redis URL: {e}")))?;
                 let cfg = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(Duration::from_secs(2)))
                     .set_response_timeout(Some(Duration::from_secs(5)))
@@ -1217,7 +1219,7 @@ impl RedisQueue {
                         .get_connection_manager_with_config(cfg)
                         .await
                         .map_err(|e| {
-                            QueueError::Open(format!("cannot reach Redis at {url}: {e}"))
+                            QueueError::Open(format!("cannot reach Redis at {shown}: {e}"))
                         })?,
                 )
             }
@@ -1228,7 +1230,7 @@ impl RedisQueue {
             .and_then(|seeds| seeds.into_iter().next())
             .unwrap_or_else(|| url.to_string());
         let listen_on = redis::Client::open(listen_on.as_str())
-            .map_err(|e| QueueError::Open(format!("`{url}` is not a Redis URL: {e}")))?;
+            .map_err(|e| QueueError::Open(format!("`{shown}` is not a Redis URL: {e}")))?;
         let reply_waiters: Arc<ReplyWaiters> = Default::default();
         let heard: Arc<Heard> = Default::default();
         let wakes = Arc::new(ClaimWakes {
