@@ -414,7 +414,10 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
             let mut builder = Engine::builder();
             for b in &mqtt_brokers {
                 let Some((name, url)) = b.split_once('=').filter(|(n, _)| !n.is_empty()) else {
-                    anyhow::bail!("--mqtt-broker `{b}`: give NAME=URL");
+                    anyhow::bail!(
+                        "--mqtt-broker `{}`: give NAME=URL",
+                        weir::queue::shown::url(b)
+                    );
                 };
                 builder = builder.mqtt_broker(name, url);
             }
