@@ -1152,16 +1152,6 @@ async fn wait_finished(e: &weir::RunningEngine, id: &str) {
 /// and in memory alike.
 #[tokio::test]
 async fn respond_wave_is_answered_while_the_executors_places_are_held() {
-    let sink = Sink::start().await;
-    sink.answer_after(4000);
-    let hold = format!(
-        r#"
-nodes:
-  in: {{ type: webhook, path: hold, to: [out] }}
-  out: {{ type: http-request, url: "{}" }}
-"#,
-        sink.url("slow")
-    );
     let echo = r#"
 nodes:
   hook: { type: webhook, path: echo, respond: wave, timeout: 2s, to: [shape] }
@@ -1171,20 +1161,7 @@ nodes:
     let dir = tempfile::tempdir().unwrap();
     let sqlite = format!("sqlite:{}", dir.path().join("q.db").display());
     for url in ["memory", sqlite.as_str()] {
-        let mut exec = weir_testkit::test_exec();
-        exec.max_in_flight = 1;
-        let e =
-            weir_testkit::start_exec(url, exec, &[("hold.yaml", &hold), ("echo.yaml", echo)]).await;
-        let delivered = sink.count();
-        assert_eq!(post_json(&e, "hold", json!(1)).await.status(), 202);
-        let deadline = Instant::now() + SECS;
-        while get_json(&e, "/api/stats").await["in_flight"] != 1 {
-            assert!(
-                Instant::now() < deadline,
-                "{url}: the slow wave never started"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let (e, sink, delivered) = with_the_executors_place_held(url, echo).await;
         for n in 0..3 {
             let r = post_json(&e, "echo", json!(n)).await;
             assert_eq!(r.status(), 200, "{url}: {:?}", r.text().await);
@@ -1197,4 +1174,74 @@ nodes:
         );
         e.shutdown().await;
     }
+}
+
+/// An accepted (202) event's wave that can start at once starts where the event is
+/// journaled too, as a task of its own: so it runs even while every place the executor
+/// claims into is held by a slow wave of another flow.
+#[tokio::test]
+async fn an_accepted_event_runs_while_the_executors_places_are_held() {
+    let quick = r#"
+nodes:
+  hook: { type: webhook, path: quick, to: [shape] }
+  shape: { type: function, script: "msg.payload = msg.payload + 1; msg", to: [done] }
+  done: { type: log }
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite:{}", dir.path().join("q.db").display());
+    for url in ["memory", sqlite.as_str()] {
+        let (e, sink, delivered) = with_the_executors_place_held(url, quick).await;
+        let mut ids = Vec::new();
+        for n in 0..3 {
+            let r = post_json(&e, "quick", json!(n)).await;
+            assert_eq!(r.status(), 202, "{url}");
+            ids.push(r.json::<Value>().await.unwrap()["id"].to_string());
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        for id in &ids {
+            let id = id.trim_matches('"');
+            while get_json(&e, &format!("/api/items/{id}")).await["state"] != "finished" {
+                assert!(Instant::now() < deadline, "{url}: {id} did not run");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        assert_eq!(
+            sink.count(),
+            delivered,
+            "{url}: run while the slow wave still held its place"
+        );
+        e.shutdown().await;
+    }
+}
+
+/// An engine on `url` with the flow `other` and a flow `hold` whose one slow wave (4 s, at
+/// `concurrency: 1`, so the executor claims it) holds the only place the executor claims
+/// into (`max_in_flight: 1`); the sink it waits on, and what that sink had received.
+async fn with_the_executors_place_held(url: &str, other: &str) -> (RunningEngine, Sink, usize) {
+    let sink = Sink::start().await;
+    sink.answer_after(4000);
+    let hold = format!(
+        r#"
+concurrency: 1
+nodes:
+  in: {{ type: webhook, path: hold, to: [out] }}
+  out: {{ type: http-request, url: "{}" }}
+"#,
+        sink.url("slow")
+    );
+    let mut exec = weir_testkit::test_exec();
+    exec.max_in_flight = 1;
+    let e =
+        weir_testkit::start_exec(url, exec, &[("hold.yaml", &hold), ("other.yaml", other)]).await;
+    let delivered = sink.count();
+    assert_eq!(post_json(&e, "hold", json!(1)).await.status(), 202);
+    let deadline = Instant::now() + SECS;
+    while get_json(&e, "/api/stats").await["in_flight"] != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "{url}: the slow wave never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (e, sink, delivered)
 }

@@ -41,9 +41,11 @@ pub struct ExecConfig {
     /// In-flight items idle this long are taken back (their engine died or stalled).
     pub reclaim_after: Duration,
     pub claim_batch: usize,
-    /// Items claimed and not yet committed, across all flows. Each claim counts a delivery,
-    /// so claiming far ahead of what can run would charge an engine that keeps crashing with
-    /// deliveries of items that never started (and dead-letter them at the ceiling).
+    /// Items claimed and not yet committed, across all flows (the waves a webhook starts
+    /// itself, `start_claimed`, are bounded by their flow's places instead). Each claim
+    /// counts a delivery, so claiming far ahead of what can run would charge an engine that
+    /// keeps crashing with deliveries of items that never started (and dead-letter them at
+    /// the ceiling).
     pub max_in_flight: usize,
     /// Of those, items claimed and not yet started (waiting for their flow's turn) at most.
     /// An item that waits in an engine longer than `reclaim_after` is taken back as stalled

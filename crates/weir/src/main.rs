@@ -73,7 +73,9 @@ enum Cmd {
         /// as expired.
         #[arg(long, default_value = "24h", value_parser = duration)]
         max_age: std::time::Duration,
-        /// Items claimed and not yet committed, across all flows, at most.
+        /// Items the executor claims and has not yet committed, across all flows, at most (a
+        /// webhook whose wave starts where its event is journaled counts against its flow's
+        /// `concurrency` instead).
         #[arg(long, default_value_t = 256)]
         max_in_flight: usize,
         /// Items parked per paused flow at most; past it they are dead-lettered with the reason.
