@@ -277,7 +277,10 @@ async fn slow_flow(ms: u64, head: &str) -> (Sink, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() {
-    let (sink, flow) = slow_flow(300, "").await;
+    // One wave at a time, claimed by the executor (a flow with places free would start up to
+    // `concurrency` of its webhook's waves where they are journaled), one item in flight: the
+    // rest wait ready, and the queue is full past three.
+    let (sink, flow) = slow_flow(300, "concurrency: 1\n").await;
     let mut exec = weir_testkit::test_exec();
     exec.max_in_flight = 1;
     let data = tempfile::tempdir().unwrap();
