@@ -193,7 +193,11 @@ async fn accept(
         Err(r) => return r,
     };
     let cause = ["webhook:", &path].concat();
-    let msg = json!({ "payload": payload, "topic": path });
+    // Built by hand: `json!` would copy the payload through its serializer (`to_value`).
+    let mut msg = serde_json::Map::new();
+    msg.insert("payload".into(), payload);
+    msg.insert("topic".into(), Value::String(path.clone()));
+    let msg = Value::Object(msg);
     let item = WorkItem::cascade(&hook.flow, &hook.node, cause, vec![msg]);
     let id = item.id;
     // A wave started here: run below, in this task, until its reply; what is left of it (all
