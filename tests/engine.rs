@@ -1214,6 +1214,37 @@ nodes:
     }
 }
 
+/// A paused flow parks the accepted events of its webhook also where the request starts the
+/// wave itself (a flow of `concurrency` over 1 with places free): none runs until the flow
+/// is resumed, then each runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_flow_parks_the_waves_its_webhook_starts() {
+    let sink = Sink::start().await;
+    let flow = format!(
+        "nodes:\n  in: {{ type: webhook, path: q, to: [out] }}\n  out: {{ type: http-request, url: \"{}\" }}\n",
+        sink.url("got")
+    );
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let e = start_on(&queue, &[("q.yaml", &flow)], Failpoints::new()).await;
+    post_admin(&e, "/api/flows/q/pause").await;
+    for n in 0..3 {
+        assert_eq!(post_json(&e, "q", json!({ "n": n })).await.status(), 202);
+    }
+    let deadline = Instant::now() + SECS;
+    while get_json(&e, "/api/stats").await["parked"] != 3 {
+        assert!(Instant::now() < deadline, "three parked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sink.count(), 0, "nothing ran while paused");
+    post_admin(&e, "/api/flows/q/resume").await;
+    wait_for("the three", SECS, || sink.count() == 3).await;
+    let mut ns = sink.ns();
+    ns.sort();
+    assert_eq!(ns, vec![0, 1, 2], "each once");
+    e.shutdown().await;
+}
+
 /// An engine on `url` with the flow `other` and a flow `hold` whose one slow wave (4 s, at
 /// `concurrency: 1`, so the executor claims it) holds the only place the executor claims
 /// into (`max_in_flight: 1`); the sink it waits on, and what that sink had received.
