@@ -1195,16 +1195,18 @@ nodes:
         for n in 0..3 {
             let r = post_json(&e, "quick", json!(n)).await;
             assert_eq!(r.status(), 202, "{url}");
-            ids.push(r.json::<Value>().await.unwrap()["id"].to_string());
+            ids.push(
+                r.json::<Value>().await.unwrap()["id"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            );
         }
-        let deadline = Instant::now() + Duration::from_secs(3);
         for id in &ids {
-            let id = id.trim_matches('"');
-            while get_json(&e, &format!("/api/items/{id}")).await["state"] != "finished" {
-                assert!(Instant::now() < deadline, "{url}: {id} did not run");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            wait_finished(&e, id).await;
         }
+        // Had they waited for the executor's place, they would have ended only after the
+        // slow wave had delivered.
         assert_eq!(
             sink.count(),
             delivered,
@@ -1231,11 +1233,7 @@ async fn a_paused_flow_parks_the_waves_its_webhook_starts() {
     for n in 0..3 {
         assert_eq!(post_json(&e, "q", json!({ "n": n })).await.status(), 202);
     }
-    let deadline = Instant::now() + SECS;
-    while get_json(&e, "/api/stats").await["parked"] != 3 {
-        assert!(Instant::now() < deadline, "three parked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_parked(&e, 3).await;
     assert_eq!(sink.count(), 0, "nothing ran while paused");
     post_admin(&e, "/api/flows/q/resume").await;
     wait_for("the three", SECS, || sink.count() == 3).await;
@@ -1245,9 +1243,10 @@ async fn a_paused_flow_parks_the_waves_its_webhook_starts() {
     e.shutdown().await;
 }
 
-/// An engine on `url` with the flow `other` and a flow `hold` whose one slow wave (4 s, at
-/// `concurrency: 1`, so the executor claims it) holds the only place the executor claims
-/// into (`max_in_flight: 1`); the sink it waits on, and what that sink had received.
+/// An engine on `url` with the flow `other` and a flow `hold` whose one slow wave (its call
+/// answered after 4 s; at `concurrency: 1`, so the executor claims it) holds the only place
+/// the executor claims into (`max_in_flight: 1`); the sink it waits on, and what that sink
+/// had received.
 async fn with_the_executors_place_held(url: &str, other: &str) -> (RunningEngine, Sink, usize) {
     let sink = Sink::start().await;
     sink.answer_after(4000);
