@@ -1162,10 +1162,15 @@ nodes:
     let sqlite = format!("sqlite:{}", dir.path().join("q.db").display());
     for url in ["memory", sqlite.as_str()] {
         let (e, sink, delivered) = with_the_executors_place_held(url, echo).await;
+        // One after the other, each committed before the next: the engine starts one such
+        // wave at once here (its `max_in_flight`), and the next would wait for the
+        // executor's place.
         for n in 0..3 {
             let r = post_json(&e, "echo", json!(n)).await;
             assert_eq!(r.status(), 200, "{url}: {:?}", r.text().await);
+            let id = r.headers()["x-weir-item"].to_str().unwrap().to_string();
             assert_eq!(r.json::<Value>().await.unwrap(), json!(n + 1), "{url}");
+            wait_finished(&e, &id).await;
         }
         assert_eq!(
             sink.count(),
@@ -1191,19 +1196,16 @@ nodes:
     let sqlite = format!("sqlite:{}", dir.path().join("q.db").display());
     for url in ["memory", sqlite.as_str()] {
         let (e, sink, delivered) = with_the_executors_place_held(url, quick).await;
-        let mut ids = Vec::new();
+        // One after the other: the engine starts one such wave at once here (its
+        // `max_in_flight`), and the next would wait for the executor's place.
         for n in 0..3 {
             let r = post_json(&e, "quick", json!(n)).await;
             assert_eq!(r.status(), 202, "{url}");
-            ids.push(
-                r.json::<Value>().await.unwrap()["id"]
-                    .as_str()
-                    .unwrap()
-                    .to_string(),
-            );
-        }
-        for id in &ids {
-            wait_finished(&e, id).await;
+            let id = r.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            wait_finished(&e, &id).await;
         }
         // Had they waited for the executor's place, they would have ended only after the
         // slow wave had delivered.
@@ -1212,6 +1214,55 @@ nodes:
             delivered,
             "{url}: run while the slow wave still held its place"
         );
+        e.shutdown().await;
+    }
+}
+
+/// The waves webhooks start themselves are bounded engine-wide too, by `max_in_flight` (each
+/// flow's `concurrency` alone would let a thousand flows run sixteen thousand at once): past
+/// it an event is journaled for the executor to claim, and waits there for a place.
+#[tokio::test]
+async fn the_waves_webhooks_start_themselves_are_bounded_by_max_in_flight() {
+    // Its calls wait 4 s for the sink too.
+    let slow = r#"
+nodes:
+  in: { type: webhook, path: also, to: [out] }
+  out: { type: http-request, url: "{sink}" }
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite:{}", dir.path().join("q.db").display());
+    for url in ["memory", sqlite.as_str()] {
+        // The executor's one place is held; the engine may start one wave where it journals.
+        let (e, _sink, _) = with_the_executors_place_held(url, slow).await;
+        let mut ids = Vec::new();
+        for n in 0..2 {
+            let r = post_json(&e, "also", json!(n)).await;
+            assert_eq!(r.status(), 202, "{url}");
+            ids.push(
+                r.json::<Value>().await.unwrap()["id"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            );
+        }
+        // The first started where it was journaled; the second waits, ready, for the
+        // executor (without the bound it would have started too: three in flight).
+        let deadline = Instant::now() + SECS;
+        loop {
+            let s = get_json(&e, "/api/stats").await;
+            if s["in_flight"] == 2 && s["ready"] == 1 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{url}: expected two in flight and one ready, saw {s}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Once the slow waves end, it runs too.
+        for id in &ids {
+            wait_finished(&e, id).await;
+        }
         e.shutdown().await;
     }
 }
@@ -1246,10 +1297,11 @@ async fn a_paused_flow_parks_the_waves_its_webhook_starts() {
 /// An engine on `url` with the flow `other` and a flow `hold` whose one slow wave (its call
 /// answered after 4 s; at `concurrency: 1`, so the executor claims it) holds the only place
 /// the executor claims into (`max_in_flight: 1`); the sink it waits on, and what that sink
-/// had received.
+/// had received. `{sink}` in `other` is the sink's URL.
 async fn with_the_executors_place_held(url: &str, other: &str) -> (RunningEngine, Sink, usize) {
     let sink = Sink::start().await;
     sink.answer_after(4000);
+    let other = other.replace("{sink}", &sink.url("other"));
     let hold = format!(
         r#"
 concurrency: 1
@@ -1261,8 +1313,10 @@ nodes:
     );
     let mut exec = weir_testkit::test_exec();
     exec.max_in_flight = 1;
+    // Not taken back as stalled while they run (the test kit's 800 ms would).
+    exec.reclaim_after = Duration::from_secs(60);
     let e =
-        weir_testkit::start_exec(url, exec, &[("hold.yaml", &hold), ("other.yaml", other)]).await;
+        weir_testkit::start_exec(url, exec, &[("hold.yaml", &hold), ("other.yaml", &other)]).await;
     let delivered = sink.count();
     assert_eq!(post_json(&e, "hold", json!(1)).await.status(), 202);
     let deadline = Instant::now() + SECS;

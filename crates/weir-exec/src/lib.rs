@@ -41,8 +41,10 @@ pub struct ExecConfig {
     /// In-flight items idle this long are taken back (their engine died or stalled).
     pub reclaim_after: Duration,
     pub claim_batch: usize,
-    /// Items claimed and not yet committed, across all flows (the waves a webhook starts
-    /// itself, `start_claimed`, are bounded by their flow's places instead). Each claim
+    /// Items claimed and not yet committed, across all flows. The waves a webhook starts
+    /// itself (`start_claimed`) are bounded apart, by as many again: the executor's claims
+    /// wait in the backend holding their share of this bound, so the two cannot share it
+    /// without those waves never finding a place. Each claim
     /// counts a delivery, so claiming far ahead of what can run would charge an engine that
     /// keeps crashing with deliveries of items that never started (and dead-letter them at
     /// the ceiling).
@@ -299,6 +301,9 @@ pub struct Executor {
     /// Every wave this executor runs, the ones its callers start ([`Executor::start_claimed`])
     /// with those it claims: shutdown waits for all of them.
     waves: TaskTracker,
+    /// The waves its callers start, at most `max_in_flight` at once (each flow's
+    /// `concurrency` alone would let a thousand flows run sixteen thousand).
+    started_here: Arc<Semaphore>,
 }
 
 /// A place for a wave its caller journals claimed and starts itself
@@ -306,6 +311,8 @@ pub struct Executor {
 pub struct Place {
     flow: Arc<FlowRt>,
     permit: OwnedSemaphorePermit,
+    /// Its share of the engine's bound on such waves.
+    engine: OwnedSemaphorePermit,
 }
 
 /// A wave started where its item was journaled ([`Executor::start_claimed`]): its caller
@@ -432,20 +439,23 @@ impl Executor {
         cfg: ExecConfig,
         failpoints: Failpoints,
     ) -> Arc<Self> {
+        let cfg_max_in_flight = cfg.max_in_flight.max(1);
         Arc::new(Executor {
             queue,
             flows,
             cfg,
             failpoints,
             waves: TaskTracker::new(),
+            started_here: Arc::new(Semaphore::new(cfg_max_in_flight)),
         })
     }
 
     /// A place to start a wave of `flow` from `node` right where its item is journaled, with
     /// no claim between (a `respond: wave` webhook, whose answer waits for the wave): when
     /// the queue can claim an item as it journals it, the flow runs waves side by side
-    /// (`concurrency` over 1) and has a place free now, and the wave can reach no stateful
-    /// node (whose calls queue in journal order). `None` otherwise: journal the item as
+    /// (`concurrency` over 1) and has a place free now, the engine runs fewer such waves than
+    /// `max_in_flight`, and the wave can reach no stateful node (whose calls queue in
+    /// journal order). `None` otherwise: journal the item as
     /// usual and the executor claims it. Order is kept: a flow's items waiting for a place
     /// hold the flow's semaphore's queue, so none is free while they wait, and the item is
     /// journaled claimed only when no other is ready.
@@ -458,8 +468,13 @@ impl Executor {
         if f.flow.concurrency <= 1 || !f.flow.stateful_from(n).is_empty() {
             return None;
         }
+        let engine = self.started_here.clone().try_acquire_owned().ok()?;
         let permit = f.permits.clone().try_acquire_owned().ok()?;
-        Some(Place { flow: f, permit })
+        Some(Place {
+            flow: f,
+            permit,
+            engine,
+        })
     }
 
     /// The wave of `c`, journaled claimed by this engine (`WorkQueue::add_claimed`) into
@@ -467,7 +482,10 @@ impl Executor {
     /// is left goes on as a task of its own when the caller drops it.
     pub fn start_claimed(self: &Arc<Self>, place: Place, c: Claimed) -> StartedWave {
         let me = self.clone();
-        let wave = async move { me.process(Some(place.flow), c, Some(place.permit)).await };
+        let wave = async move {
+            me.process(Some(place.flow), c, Some(place.permit)).await;
+            drop(place.engine);
+        };
         StartedWave(Some(Box::pin(self.waves.track_future(wave))))
     }
 

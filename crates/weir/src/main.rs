@@ -73,9 +73,9 @@ enum Cmd {
         /// as expired.
         #[arg(long, default_value = "24h", value_parser = duration)]
         max_age: std::time::Duration,
-        /// Items the executor claims and has not yet committed, across all flows, at most (a
-        /// webhook whose wave starts where its event is journaled counts against its flow's
-        /// `concurrency` instead).
+        /// Items the executor claims and has not yet committed, across all flows, at most;
+        /// the waves webhooks start where their events are journaled are bounded apart, by
+        /// as many again (and by their flow's `concurrency`).
         #[arg(long, default_value_t = 256)]
         max_in_flight: usize,
         /// Items parked per paused flow at most; past it they are dead-lettered with the reason.
