@@ -354,7 +354,7 @@ fn weir_run_says_once_why_it_cannot_start() {
 async fn logs_to_a_file_carry_no_colour_codes() {
     let data = tempfile::tempdir().unwrap();
     let log = data.path().join("weir.log");
-    let (mut child, _) = run_logging(&one_webhook_flow(data.path()), &log).await;
+    let (mut child, _) = run_logging(&one_webhook_flow(data.path()), &log, &[]).await;
     let _ = child.kill();
     let _ = child.wait();
     let text = std::fs::read_to_string(&log).unwrap();
@@ -365,14 +365,42 @@ async fn logs_to_a_file_carry_no_colour_codes() {
     );
 }
 
+/// A `--reclaim-after` no longer than a wave may run (60 s) is warned of at start: a wave
+/// still running past it would be taken back and run a second time. The default is not.
+#[tokio::test]
+async fn a_reclaim_delay_shorter_than_a_wave_may_run_is_warned_of() {
+    let data = tempfile::tempdir().unwrap();
+    let flows = one_webhook_flow(data.path());
+    for (extra, warned) in [(&["--reclaim-after", "30"][..], true), (&[][..], false)] {
+        let log = data.path().join("weir.log");
+        let (mut child, _) = run_logging(&flows, &log, extra).await;
+        let _ = child.kill();
+        let _ = child.wait();
+        let text = std::fs::read_to_string(&log).unwrap();
+        let line = text.lines().find(|l| l.contains("--reclaim-after"));
+        assert_eq!(line.is_some(), warned, "{extra:?}: {text}");
+        if let Some(line) = line {
+            assert!(
+                line.contains("WARN") && line.contains("run a second time"),
+                "{line}"
+            );
+        }
+    }
+}
+
 /// `weir run FLOWS --queue memory` on a port of its own choosing, at the default log filter,
-/// its log written to `log`; once it has logged its start, the process and the address it
-/// listens on.
-async fn run_logging(flows: &str, log: &std::path::Path) -> (std::process::Child, String) {
+/// with the flags `extra`, its log written to `log`; once it has logged its start, the
+/// process and the address it listens on.
+async fn run_logging(
+    flows: &str,
+    log: &std::path::Path,
+    extra: &[&str],
+) -> (std::process::Child, String) {
     // Port 0: the address is read from the log, and no other process can hold it.
     let mut child = Command::new(weir_testkit::weir_bin())
         .args(["run", flows])
         .args(["--queue", "memory", "--http", "127.0.0.1:0"])
+        .args(extra)
         .env_remove("RUST_LOG")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(log).unwrap())
@@ -432,7 +460,7 @@ nodes:
 "#,
     );
     let log = data.path().join("weir.log");
-    let (mut child, addr) = run_logging(&flows.display().to_string(), &log).await;
+    let (mut child, addr) = run_logging(&flows.display().to_string(), &log, &[]).await;
     let read = || std::fs::read_to_string(&log).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(20);
     let answer: serde_json::Value = reqwest::Client::new()

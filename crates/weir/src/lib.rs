@@ -394,6 +394,14 @@ impl Engine {
         if !queue.durable() {
             tracing::warn!("the queue is in memory: accepted events are lost if the process stops");
         }
+        if self.exec.reclaim_after <= self.exec.wave_deadline {
+            // Its item looks stalled to every engine, this one too, and is delivered again.
+            tracing::warn!(
+                reclaim_after = ?self.exec.reclaim_after,
+                wave_deadline = ?self.exec.wave_deadline,
+                "--reclaim-after is not longer than a wave may run: a wave still running past it is taken back and run a second time"
+            );
+        }
         let stop = CancellationToken::new();
         let intake = Intake::open();
         let tracker = TaskTracker::new();

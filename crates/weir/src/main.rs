@@ -59,7 +59,8 @@ enum Cmd {
         #[arg(long, env = "WEIR_CONSUMER")]
         consumer: Option<String>,
         /// Seconds an item may sit in flight at another (dead or stalled) engine before this
-        /// one takes it over.
+        /// one takes it over. Keep it above 60, the longest a wave may run: a wave still
+        /// running past it is taken back and run a second time (a warning at start says so).
         #[arg(long, default_value_t = 120)]
         reclaim_after: u64,
         /// First wait before a transient failure is retried at its node (nodes may set their
