@@ -1259,6 +1259,17 @@ nodes:
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // The bound was hit, and that is counted as every bound is.
+        let metrics = reqwest::get(format!("http://{}/metrics", e.admin_addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            metrics.contains(r#"weir_bounds_hit_total{bound="webhook_waves"}"#),
+            "{url}: {metrics}"
+        );
         // Once the slow waves end, it runs too.
         for id in &ids {
             wait_finished(&e, id).await;

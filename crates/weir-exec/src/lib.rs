@@ -468,7 +468,11 @@ impl Executor {
         if f.flow.concurrency <= 1 || !f.flow.stateful_from(n).is_empty() {
             return None;
         }
-        let engine = self.started_here.clone().try_acquire_owned().ok()?;
+        let Ok(engine) = self.started_here.clone().try_acquire_owned() else {
+            // Not an error: the executor claims the item instead. Counted, as every bound is.
+            metrics::counter!("weir_bounds_hit_total", "bound" => "webhook_waves").increment(1);
+            return None;
+        };
         let permit = f.permits.clone().try_acquire_owned().ok()?;
         Some(Place {
             flow: f,
