@@ -304,6 +304,9 @@ pub struct Executor {
     /// The waves its callers start, at most `max_in_flight` at once (each flow's
     /// `concurrency` alone would let a thousand flows run sixteen thousand).
     started_here: Arc<Semaphore>,
+    /// `weir_bounds_hit_total{bound="webhook_waves"}`, made at its first use and kept: under
+    /// a sustained load past the bound every request counts one.
+    started_here_full: std::sync::OnceLock<metrics::Counter>,
 }
 
 /// A place for a wave its caller journals claimed and starts itself
@@ -447,6 +450,7 @@ impl Executor {
             failpoints,
             waves: TaskTracker::new(),
             started_here: Arc::new(Semaphore::new(cfg_max_in_flight)),
+            started_here_full: std::sync::OnceLock::new(),
         })
     }
 
@@ -470,7 +474,11 @@ impl Executor {
         }
         let Ok(engine) = self.started_here.clone().try_acquire_owned() else {
             // Not an error: the executor claims the item instead. Counted, as every bound is.
-            metrics::counter!("weir_bounds_hit_total", "bound" => "webhook_waves").increment(1);
+            self.started_here_full
+                .get_or_init(
+                    || metrics::counter!("weir_bounds_hit_total", "bound" => "webhook_waves"),
+                )
+                .increment(1);
             return None;
         };
         let permit = f.permits.clone().try_acquire_owned().ok()?;
