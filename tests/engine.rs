@@ -15,11 +15,30 @@ async fn parked(e: &RunningEngine) -> u64 {
 
 /// Wait until at least `n` items are parked.
 async fn wait_parked(e: &RunningEngine, n: u64) {
+    wait_stats(e, "items parked", |s| s["parked"].as_u64() >= Some(n)).await;
+}
+
+/// Wait (up to `SECS`) until `/api/stats` satisfies `cond`, naming `what` and the last
+/// stats seen if it never does.
+async fn wait_stats(e: &RunningEngine, what: &str, cond: impl Fn(&Value) -> bool) {
     let deadline = Instant::now() + SECS;
-    while parked(e).await < n {
-        assert!(Instant::now() < deadline, "items were not parked");
+    loop {
+        let s = get_json(e, "/api/stats").await;
+        if cond(&s) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: never seen; last {s}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The item id of an accepted (202) webhook request's answer.
+async fn accepted_id(r: reqwest::Response) -> String {
+    let body = r.json::<Value>().await.unwrap();
+    body["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no id: {body}"))
+        .to_string()
 }
 
 /// The answer goes back, and the message goes on past the nodes that answer and log where
@@ -720,10 +739,7 @@ nodes:
     fp.arm("after:once/charge", 1);
     let e = start(&[("once.yaml", &flow)], fp).await;
     let r = post_json(&e, "once", json!({"order": 7})).await;
-    let id = r.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = accepted_id(r).await;
     wait_for("the wave downstream of the charge", SECS, || {
         after.count() == 1
     })
@@ -771,14 +787,7 @@ nodes:
   b: { type: set, set: { payload.y: 2 }, to: [a] }
 "#;
     let e = start(&[("loop.yaml", flow)], Failpoints::new()).await;
-    let id = post_json(&e, "loop", json!({}))
-        .await
-        .json::<Value>()
-        .await
-        .unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = accepted_id(post_json(&e, "loop", json!({})).await).await;
     let deadline = Instant::now() + SECS;
     loop {
         let item = get_json(&e, &format!("/api/items/{id}")).await;
@@ -843,10 +852,7 @@ nodes:
         .unwrap();
     assert_eq!(text.status(), 202);
     assert_eq!(text.headers()["content-type"], "application/json");
-    let id = text.json::<Value>().await.unwrap()["id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let id = accepted_id(text).await;
     let item = get_json(&e, &format!("/api/items/{id}")).await;
     assert_eq!(
         item["item"]["id"],
@@ -1201,11 +1207,7 @@ nodes:
         for n in 0..3 {
             let r = post_json(&e, "quick", json!(n)).await;
             assert_eq!(r.status(), 202, "{url}");
-            let id = r.json::<Value>().await.unwrap()["id"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            wait_finished(&e, &id).await;
+            wait_finished(&e, &accepted_id(r).await).await;
         }
         // Had they waited for the executor's place, they would have ended only after the
         // slow wave had delivered.
@@ -1238,27 +1240,14 @@ nodes:
         for n in 0..2 {
             let r = post_json(&e, "also", json!(n)).await;
             assert_eq!(r.status(), 202, "{url}");
-            ids.push(
-                r.json::<Value>().await.unwrap()["id"]
-                    .as_str()
-                    .unwrap()
-                    .to_string(),
-            );
+            ids.push(accepted_id(r).await);
         }
         // The first started where it was journaled; the second waits, ready, for the
         // executor (without the bound it would have started too: three in flight).
-        let deadline = Instant::now() + SECS;
-        loop {
-            let s = get_json(&e, "/api/stats").await;
-            if s["in_flight"] == 2 && s["ready"] == 1 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{url}: expected two in flight and one ready, saw {s}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_stats(&e, &format!("{url}: two in flight and one ready"), |s| {
+            s["in_flight"] == 2 && s["ready"] == 1
+        })
+        .await;
         // The bound was hit, and that is counted as every bound is.
         let metrics = reqwest::get(format!("http://{}/metrics", e.admin_addr))
             .await
@@ -1330,13 +1319,9 @@ nodes:
         weir_testkit::start_exec(url, exec, &[("hold.yaml", &hold), ("other.yaml", &other)]).await;
     let delivered = sink.count();
     assert_eq!(post_json(&e, "hold", json!(1)).await.status(), 202);
-    let deadline = Instant::now() + SECS;
-    while get_json(&e, "/api/stats").await["in_flight"] != 1 {
-        assert!(
-            Instant::now() < deadline,
-            "{url}: the slow wave never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_stats(&e, &format!("{url}: the slow wave in flight"), |s| {
+        s["in_flight"] == 1
+    })
+    .await;
     (e, sink, delivered)
 }

@@ -41,13 +41,12 @@ pub struct ExecConfig {
     /// In-flight items idle this long are taken back (their engine died or stalled).
     pub reclaim_after: Duration,
     pub claim_batch: usize,
-    /// Items claimed and not yet committed, across all flows. The waves a webhook starts
-    /// itself (`start_claimed`) are bounded apart, by as many again: the executor's claims
-    /// wait in the backend holding their share of this bound, so the two cannot share it
-    /// without those waves never finding a place. Each claim
-    /// counts a delivery, so claiming far ahead of what can run would charge an engine that
-    /// keeps crashing with deliveries of items that never started (and dead-letter them at
-    /// the ceiling).
+    /// Items claimed and not yet committed, across all flows. Each claim counts a delivery,
+    /// so claiming far ahead of what can run would charge an engine that keeps crashing with
+    /// deliveries of items that never started (and dead-letter them at the ceiling). The
+    /// waves a webhook starts itself (`start_claimed`) are bounded apart, by as many again:
+    /// the executor's claims wait in the backend holding their share of this bound, so the
+    /// two cannot share it without those waves never finding a place.
     pub max_in_flight: usize,
     /// Of those, items claimed and not yet started (waiting for their flow's turn) at most.
     /// An item that waits in an engine longer than `reclaim_after` is taken back as stalled
@@ -470,8 +469,8 @@ impl Executor {
     /// the queue can claim an item as it journals it, the flow runs waves side by side
     /// (`concurrency` over 1) and has a place free now, the engine runs fewer such waves than
     /// `max_in_flight`, and the wave can reach no stateful node (whose calls queue in
-    /// journal order). `None` otherwise: journal the item as
-    /// usual and the executor claims it. Order is kept: a flow's items waiting for a place
+    /// journal order). `None` otherwise: journal the item as usual and the executor claims
+    /// it. Order is kept: a flow's items waiting for a place
     /// hold the flow's semaphore's queue, so none is free while they wait, and the item is
     /// journaled claimed only when no other is ready.
     pub fn place_for(&self, flow: &str, node: &str) -> Option<Place> {
