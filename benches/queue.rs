@@ -29,7 +29,7 @@ use weir_queue::{
 };
 use weir_testkit::ceilings::{
     bytes_written, cpu_time, drive_pipelined, fsync_probe, redis_lean_pipelined,
-    redis_lean_scripts, redis_server_cpu, redis_streams_loop, sqlite_batched, Pipelined,
+    redis_lean_scripts, redis_server_cpu, redis_streams_loop, sqlite_batched, QueuePipe,
 };
 
 #[global_allocator]
@@ -39,12 +39,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const BATCH: usize = 256;
 
 fn item() -> WorkItem {
-    WorkItem::cascade(
-        "bench",
-        "in",
-        "bench",
-        vec![json!({ "payload": { "n": 1 } })],
-    )
+    weir_testkit::ceilings::queue_item()
 }
 
 /// Items per second measured over every iteration criterion ran.
@@ -121,39 +116,7 @@ const AHEAD: usize = 4;
 /// own wave does, all at once. Adds, claims and commits meet in the writer's transactions;
 /// the encoding and decoding run on other threads meanwhile.
 async fn pipelined(q: Arc<dyn WorkQueue>, batches: u64) -> Duration {
-    drive_pipelined(Weir(q), batches, BATCH, AHEAD).await
-}
-
-/// weir's queue driven by `drive_pipelined`: each claimed item committed on its own.
-#[derive(Clone)]
-struct Weir(Arc<dyn WorkQueue>);
-
-impl Pipelined for Weir {
-    type Unit = weir_queue::Claimed;
-
-    async fn add(&self) {
-        self.0
-            .add((0..BATCH).map(|_| item()).collect())
-            .await
-            .unwrap();
-    }
-
-    async fn claim(&self, _: usize) -> Vec<weir_queue::Claimed> {
-        self.0
-            .claim("bench", BATCH, Duration::from_millis(20))
-            .await
-            .unwrap()
-    }
-
-    async fn commit(&self, c: weir_queue::Claimed) -> usize {
-        let r = self
-            .0
-            .commit(&c, WaveEffects::ending(End::Ack))
-            .await
-            .unwrap();
-        assert_eq!(r, Committed::Done);
-        1
-    }
+    drive_pipelined(QueuePipe::new(q, BATCH), batches, BATCH, AHEAD).await
 }
 
 /// Lone items on an idle queue, one at a time.

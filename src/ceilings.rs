@@ -807,6 +807,59 @@ pub async fn drive_pipelined<Q: Pipelined>(
     took
 }
 
+/// The item the queue benchmarks journal: a small cascade, as a webhook's would be.
+pub fn queue_item() -> weir_queue::WorkItem {
+    weir_queue::WorkItem::cascade(
+        "bench",
+        "in",
+        "bench",
+        vec![serde_json::json!({ "payload": { "n": 1 } })],
+    )
+}
+
+/// weir's queue driven by [`drive_pipelined`] as the engine runs it: adds of `batch` items,
+/// claims of up to `batch`, and each claimed item committed on its own (as its wave would
+/// be), acknowledged with nothing else written.
+#[derive(Clone)]
+pub struct QueuePipe {
+    q: std::sync::Arc<dyn weir_queue::WorkQueue>,
+    batch: usize,
+}
+
+impl QueuePipe {
+    pub fn new(q: std::sync::Arc<dyn weir_queue::WorkQueue>, batch: usize) -> Self {
+        QueuePipe { q, batch }
+    }
+}
+
+impl Pipelined for QueuePipe {
+    type Unit = weir_queue::Claimed;
+
+    async fn add(&self) {
+        self.q
+            .add((0..self.batch).map(|_| queue_item()).collect())
+            .await
+            .unwrap();
+    }
+
+    async fn claim(&self, _: usize) -> Vec<weir_queue::Claimed> {
+        self.q
+            .claim("bench", self.batch, Duration::from_millis(20))
+            .await
+            .unwrap()
+    }
+
+    async fn commit(&self, c: weir_queue::Claimed) -> usize {
+        let r = self
+            .q
+            .commit(&c, weir_queue::WaveEffects::ending(weir_queue::End::Ack))
+            .await
+            .unwrap();
+        assert_eq!(r, weir_queue::Committed::Done);
+        1
+    }
+}
+
 /// The lean design driven by [`drive_pipelined`]: each claim's items committed in one call.
 #[derive(Clone)]
 struct LeanPipe {

@@ -137,10 +137,12 @@ return 1
 "#;
 
 /// ARGV[3] the consumer, ARGV[4] how many at most. Answers six values for each item
-/// claimed, flat: id, the deliveries before this one, lease, stepped ('1' or '0'), body,
-/// entry. Every item of one call has the same lease (new with each call): with the item's
-/// own line, that names its claim. No number is made text per item (Lua's conversion costs
-/// more than the rest of an item's work here).
+/// claimed, flat, after the call's lease: entry, the deliveries before this one (with an `s`
+/// after it when a step made the item ready), body. The item's id is the body's. Every item
+/// of one call has the same lease (new with each call): with the item's own line, that names
+/// its claim, so it is answered once. No number is made text per item (Lua's conversion
+/// costs more than the rest of an item's work here), and nothing is answered that the
+/// client has already: each value is one more the client parses and Lua converts.
 const CLAIM: &str = r#"
 local function read()
   return redis.pcall('XREADGROUP', 'GROUP', G, ARGV[3], 'COUNT', ARGV[4], 'STREAMS', STREAM, '>')
@@ -170,28 +172,29 @@ end
 -- This call's lease: new, never reused.
 local lease = redis.call('INCR', P .. 'lease')
 local ls = lease .. ' '
-local lines, k, o = {}, 0, 0
+local lines, k, o = {}, 0, 1
+out[1] = lease
 for i = 1, n do
   local e = entries[i]
   local eid, f = e[1], e[2]
   -- Fields as written: id, d, body[, stepped].
   if f[1] ~= 'id' or f[3] ~= 'd' or f[5] ~= 'body' then
     -- An entry weir did not write (added to the stream by something else): taken out of
-    -- the stream like a stale one, and answered as a row with no id, its fields as text
-    -- where the body goes, for the engine to report.
+    -- the stream like a stale one, and answered as a row with no deliveries, its fields as
+    -- text where the body goes, for the engine to report.
     ACKS[#ACKS + 1] = eid
-    out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6] =
-      '', '0', 0, '0', string.sub(table.concat(f, ' '), 1, 200), eid
-    o = o + 6
+    out[o + 1], out[o + 2], out[o + 3] = eid, '', string.sub(table.concat(f, ' '), 1, 200)
+    o = o + 3
   elseif cur[i] ~= eid then
     -- Stale: its item is no longer waiting on this entry.
     ACKS[#ACKS + 1] = eid
   else
     lines[k + 1], lines[k + 2] = ids[i], ls .. eid .. ' ' .. f[4]
     k = k + 2
-    out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6] =
-      ids[i], f[4], lease, f[8] or '0', f[6], eid
-    o = o + 6
+    local d = f[4]
+    if f[8] == '1' then d = d .. 's' end
+    out[o + 1], out[o + 2], out[o + 3] = eid, d, f[6]
+    o = o + 3
   end
 end
 if k > 0 then
@@ -385,10 +388,16 @@ if granted < want then next_in = math.max(tat - tau - now, 0) end
 return {granted, string.format('%.0f', next_in)}
 "#;
 
+/// ARGV[3] the entry of an item claimed whose body cannot be decoded (so the claim's answer
+/// does not give its id), ARGV[4] the reason: the item is dead-lettered. Answers its id, or
+/// nothing when no item is in flight on that entry any more.
 const BURY: &str = r#"
-if locate(ARGV[3]) ~= 'in_flight' then return 0 end
-bury(ARGV[3], ARGV[4])
-return 1
+local f = entry_fields(ARGV[3])
+if not f or not f.id then return '' end
+local st, at = locate(f.id)
+if st ~= 'in_flight' or at.entry ~= ARGV[3] then return '' end
+bury(f.id, ARGV[4])
+return f.id
 "#;
 
 const PRUNE: &str = r#"
@@ -426,7 +435,7 @@ return {outcomes, dead}
 const RECOVER: &str = r#"
 -- This consumer's own pending entries (an earlier run of it died holding them), oldest
 -- first: claimed again here, in place, so they keep their turn ahead of newer entries.
--- Answers as a claim does (six values an item, flat).
+-- Answers as a claim does (the lease, then three values an item, flat).
 local p = redis.pcall('XPENDING', STREAM, G, '-', '+', ARGV[4], ARGV[3])
 if type(p) == 'table' and p.err then return {} end
 local out = {}
@@ -438,9 +447,11 @@ for _, e in ipairs(p) do
   if st == 'in_flight' and at.entry == eid then
     -- Reset the entry's idle time, so no other engine's reclaim takes it meanwhile.
     redis.call('XCLAIM', STREAM, G, ARGV[3], 0, eid, 'JUSTID')
-    local lease = redis.call('INCR', P .. 'lease')
-    live_set(f.id, lease .. ' ' .. eid .. ' ' .. at.d)
-    for _, v in ipairs({f.id, at.d, lease, f.stepped or '0', f.body, eid}) do out[#out + 1] = v end
+    if #out == 0 then out[1] = redis.call('INCR', P .. 'lease') end
+    live_set(f.id, out[1] .. ' ' .. eid .. ' ' .. at.d)
+    local d = at.d
+    if f.stepped == '1' then d = d .. 's' end
+    for _, v in ipairs({eid, d, f.body}) do out[#out + 1] = v end
   else
     ACKS[#ACKS + 1] = eid
   end
@@ -701,72 +712,99 @@ fn rec<'a>(item: &'a WorkItem, reason: Option<&'a str>) -> Result<Rec<'a>, Queue
 struct FinishedFields<'a> {
     st: &'static str,
     reason: &'a str,
-    at: String,
+    at: AsText<i64>,
     flow: &'a str,
-    deliveries: String,
-    enq: String,
+    deliveries: AsText<u32>,
+    enq: AsText<i64>,
+}
+
+/// A number serialized as JSON text (`"12"`), with no string made for it.
+struct AsText<T>(T);
+
+impl<T: itoa::Integer + Copy> Serialize for AsText<T> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(itoa::Buffer::new().format(self.0))
+    }
 }
 
 /// One item as `CLAIM` and `RECOVER` answer it.
 struct ClaimedRow {
-    id: String,
-    deliveries: u32,
-    lease: u64,
-    stepped: String,
-    body: String,
     entry: String,
+    /// Counted with this delivery; `None` for an entry weir did not write (its fields, as
+    /// text, are then where the body goes).
+    deliveries: Option<u32>,
+    stepped: bool,
+    body: String,
 }
 
 impl ClaimedRow {
-    /// The item claimed, keeping its entry and its JSON as read; or its id and why its body
-    /// cannot be decoded (a poison entry, for the caller to set aside).
-    fn decode(self, consumer: &str) -> Result<Claimed, (String, serde_json::Error)> {
-        let stepped = self.stepped == "1";
-        match Claimed::decode(&self.body, self.deliveries, self.lease, consumer, stepped) {
+    /// The item claimed under `lease`, keeping its entry and its JSON as read; or its entry
+    /// and why its body cannot be decoded (a poison entry, for the caller to set aside).
+    fn decode(self, lease: u64, consumer: &str) -> Result<Claimed, (String, serde_json::Error)> {
+        let deliveries = self.deliveries.unwrap_or(1);
+        match Claimed::decode(&self.body, deliveries, lease, consumer, self.stepped) {
             Ok(c) => Ok(Claimed {
                 entry: self.entry,
                 journaled: self.body,
                 ..c
             }),
-            Err(e) => Err((self.id, e)),
+            Err(e) => Err((self.entry, e)),
         }
     }
 }
 
-/// The rows of a claim's flat answer (six values an item).
-fn claimed_rows(flat: Vec<redis::Value>) -> Result<Vec<ClaimedRow>, QueueError> {
-    if !flat.len().is_multiple_of(6) {
-        return Err(corrupt(format!(
-            "a claim answered {} values, not six an item",
-            flat.len()
+/// The lease and the rows of a claim's flat answer (the lease, then three values an item;
+/// nothing at all when there was nothing to claim).
+fn claimed_rows(flat: Vec<redis::Value>) -> Result<(u64, Vec<ClaimedRow>), QueueError> {
+    let bad = |why: String| corrupt(format!("a claim's answer: {why}"));
+    let mut it = flat.into_iter();
+    let Some(lease) = it.next() else {
+        return Ok((0, Vec::new()));
+    };
+    let lease: u64 = redis::from_redis_value(lease).map_err(|e| bad(e.to_string()))?;
+    if !it.len().is_multiple_of(3) {
+        return Err(bad(format!(
+            "{} values after the lease, not three an item",
+            it.len()
         )));
     }
-    let mut rows = Vec::with_capacity(flat.len() / 6);
-    let mut it = flat.into_iter();
-    while let Some(id) = it.next() {
-        let mut next = || it.next().unwrap_or(redis::Value::Nil);
-        let (d, lease, stepped, body, entry) = (next(), next(), next(), next(), next());
-        let v = |e: redis::ParsingError| corrupt(format!("a claim's answer: {e}"));
-        let before: u32 = redis::from_redis_value(d).map_err(v)?;
-        let id: String = redis::from_redis_value(id).map_err(v)?;
-        let body: Vec<u8> = redis::from_redis_value(body).map_err(v)?;
-        // A row with no id carries the fields of an entry weir did not write, cut to 200
-        // bytes: text to show, whatever bytes it holds. weir's own bodies are UTF-8 JSON.
-        let body = if id.is_empty() {
-            String::from_utf8_lossy(&body).into_owned()
-        } else {
-            String::from_utf8(body).map_err(|e| corrupt(format!("a claim's answer: {e}")))?
+    let text = |v: redis::Value| match v {
+        redis::Value::BulkString(b) => Ok(b),
+        other => Err(bad(format!("{other:?} where text was expected"))),
+    };
+    let mut rows = Vec::with_capacity(it.len() / 3);
+    while let (Some(entry), Some(d), Some(body)) = (it.next(), it.next(), it.next()) {
+        let entry = String::from_utf8(text(entry)?).map_err(|e| bad(e.to_string()))?;
+        let d = text(d)?;
+        let body = text(body)?;
+        if d.is_empty() {
+            // The fields of an entry weir did not write, cut to 200 bytes: text to show,
+            // whatever bytes it holds.
+            rows.push(ClaimedRow {
+                entry,
+                deliveries: None,
+                stepped: false,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            });
+            continue;
+        }
+        let (d, stepped) = match d.strip_suffix(b"s") {
+            Some(d) => (d, true),
+            None => (&d[..], false),
         };
+        let before: u32 = std::str::from_utf8(d)
+            .ok()
+            .and_then(|d| d.parse().ok())
+            .ok_or_else(|| bad(format!("deliveries {:?}", String::from_utf8_lossy(d))))?;
         rows.push(ClaimedRow {
-            id,
-            deliveries: before.saturating_add(1),
-            lease: redis::from_redis_value(lease).map_err(v)?,
-            stepped: redis::from_redis_value(stepped).map_err(v)?,
-            body,
-            entry: redis::from_redis_value(entry).map_err(v)?,
+            entry,
+            deliveries: Some(before.saturating_add(1)),
+            stepped,
+            // weir's own bodies are UTF-8 JSON.
+            body: String::from_utf8(body).map_err(|e| bad(e.to_string()))?,
         });
     }
-    Ok(rows)
+    Ok((lease, rows))
 }
 
 fn unavailable(e: redis::RedisError) -> QueueError {
@@ -1153,6 +1191,8 @@ fn cluster_seeds(url: &str) -> Option<Vec<String>> {
 pub struct RedisQueue {
     conn: Conn,
     opts: RedisOptions,
+    /// Each shard's key prefix, made once (an add and a commit name theirs for every item).
+    shard_prefixes: Vec<String>,
     scripts: Scripts,
     failpoints: Failpoints,
     /// Items `recover` claimed again, handed out by the next claims first.
@@ -1253,6 +1293,9 @@ impl RedisQueue {
         ));
         let q = RedisQueue {
             conn,
+            shard_prefixes: (0..opts.shards.max(1))
+                .map(|k| keys::prefix(&opts.namespace, k))
+                .collect(),
             opts,
             scripts,
             failpoints,
@@ -1432,14 +1475,15 @@ impl RedisQueue {
         warnings
     }
 
-    fn prefix_of(&self, flow: &str) -> String {
-        keys::prefix(&self.opts.namespace, keys::shard_of(flow, self.opts.shards))
+    fn prefix_of(&self, flow: &str) -> &str {
+        match self.shard_prefixes.as_slice() {
+            [one] => one,
+            all => &all[keys::shard_of(flow, self.opts.shards) as usize],
+        }
     }
 
-    fn prefixes(&self) -> Vec<String> {
-        (0..self.opts.shards.max(1))
-            .map(|k| keys::prefix(&self.opts.namespace, k))
-            .collect()
+    fn prefixes(&self) -> &[String] {
+        &self.shard_prefixes
     }
 
     /// Run a script in shard `p` (its stream key routes it to the right node of a cluster).
@@ -1465,7 +1509,11 @@ impl RedisQueue {
         let (tx, rx) = oneshot::channel();
         let lead = {
             let mut groups = self.commits.lock().unwrap_or_else(|e| e.into_inner());
-            let g = groups.entry(p.to_string()).or_default();
+            // The shard's group is there after its first commit: no key made for each.
+            let g = match groups.get_mut(p) {
+                Some(g) => g,
+                None => groups.entry(p.to_string()).or_default(),
+            };
             g.waiting.push((args, tx));
             let lead = g.flushing < COMMIT_CALLS;
             if lead {
@@ -1523,9 +1571,10 @@ impl RedisQueue {
         n: usize,
     ) -> Result<Vec<Claimed>, QueueError> {
         let flat: Vec<redis::Value> = self.run(&self.scripts.claim, p, &[&consumer, &n]).await?;
-        let mut out = Vec::with_capacity(flat.len() / 6);
-        for row in claimed_rows(flat)? {
-            if row.id.is_empty() {
+        let (lease, rows) = claimed_rows(flat)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            if row.deliveries.is_none() {
                 // Not weir's: the script has already taken it out of the stream.
                 metrics::counter!("weir_redis_foreign_entries_total").increment(1);
                 tracing::warn!(
@@ -1537,17 +1586,21 @@ impl RedisQueue {
                 );
                 continue;
             }
-            match row.decode(consumer) {
+            match row.decode(lease, consumer) {
                 Ok(c) => out.push(c),
-                Err((id, e)) => {
+                Err((entry, e)) => {
                     // A poison entry: set it aside with the reason, go on with the rest.
-                    tracing::error!(%id, error = %e, "an item that cannot be decoded is dead-lettered");
                     let reason = format!("undecodable item: {e}");
-                    if let Err(e) = self
-                        .run::<i64>(&self.scripts.bury, p, &[&id, &reason])
+                    match self
+                        .run::<String>(&self.scripts.bury, p, &[&entry, &reason])
                         .await
                     {
-                        tracing::warn!(%id, error = %e, "cannot set the undecodable item aside yet; it comes back after the reclaim delay");
+                        Ok(id) => {
+                            tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered")
+                        }
+                        Err(e) => {
+                            tracing::warn!(%entry, error = %e, "cannot set the undecodable item aside yet; it comes back after the reclaim delay")
+                        }
                     }
                 }
             }
@@ -1622,8 +1675,8 @@ impl RedisQueue {
     async fn find(&self, id: Ulid) -> Result<Option<(String, ItemView)>, QueueError> {
         let id = id.to_string();
         for p in self.prefixes() {
-            if let Some(v) = self.record(&p, &id).await? {
-                return Ok(Some((p, v)));
+            if let Some(v) = self.record(p, &id).await? {
+                return Ok(Some((p.clone(), v)));
             }
         }
         Ok(None)
@@ -1730,8 +1783,8 @@ impl StateRead for RedisQueue {
         let p = self.prefix_of(&key.flow);
         let mut c = self.conn.clone();
         let (value, version): (Option<String>, Option<u64>) = redis::pipe()
-            .hget(keys::state(&p, &key.flow, &key.node), &key.key)
-            .hget(keys::versions(&p, &key.flow, &key.node), &key.key)
+            .hget(keys::state(p, &key.flow, &key.node), &key.key)
+            .hget(keys::versions(p, &key.flow, &key.node), &key.key)
             .query_async(&mut c)
             .await
             .map_err(|e| StateError(e.to_string()))?;
@@ -1756,7 +1809,7 @@ impl StateRead for RedisQueue {
         want: u32,
     ) -> Result<weir_state::Quota, StateError> {
         let p = self.prefix_of(&key.flow);
-        let k = keys::quota(&p, &key.flow, &key.node, &key.key);
+        let k = keys::quota(p, &key.flow, &key.node, &key.key);
         let mut c = self.conn.clone();
         let (granted, next_us): (u32, u64) = self
             .scripts
@@ -1782,8 +1835,8 @@ impl StateRead for RedisQueue {
         let p = self.prefix_of(flow);
         let mut c = self.conn.clone();
         let (values, versions): (HashMap<String, String>, HashMap<String, u64>) = redis::pipe()
-            .hgetall(keys::state(&p, flow, node))
-            .hgetall(keys::versions(&p, flow, node))
+            .hgetall(keys::state(p, flow, node))
+            .hgetall(keys::versions(p, flow, node))
             .query_async(&mut c)
             .await
             .map_err(|e| StateError(e.to_string()))?;
@@ -1817,12 +1870,13 @@ impl WorkQueue for RedisQueue {
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         // One script per shard: a batch is all-or-nothing within a shard (one shard by
         // default; a trigger's batch is one flow's, so one shard).
-        let mut by_shard: HashMap<String, Vec<&WorkItem>> = HashMap::new();
+        let mut by_shard: Vec<(&str, Vec<&WorkItem>)> = Vec::new();
         for it in &items {
-            by_shard
-                .entry(self.prefix_of(&it.flow))
-                .or_default()
-                .push(it);
+            let p = self.prefix_of(&it.flow);
+            match by_shard.iter_mut().find(|(q, _)| *q == p) {
+                Some((_, its)) => its.push(it),
+                None => by_shard.push((p, vec![it])),
+            }
         }
         let now = now_ms();
         for (p, its) in by_shard {
@@ -1854,7 +1908,7 @@ impl WorkQueue for RedisQueue {
                 ]);
             }
             let args: Vec<&dyn RedisArg> = args.iter().map(|a| a as &dyn RedisArg).collect();
-            let (r, n): (String, i64) = self.run(&self.scripts.add, &p, &args).await?;
+            let (r, n): (String, i64) = self.run(&self.scripts.add, p, &args).await?;
             if r == "full" {
                 return Err(full(n));
             }
@@ -1869,9 +1923,9 @@ impl WorkQueue for RedisQueue {
         let (r, v): (String, String) = self
             .run(
                 &self.scripts.add_idempotent,
-                &p,
+                p,
                 &[
-                    &keys::idempotency(&p, key),
+                    &keys::idempotency(p, key),
                     &IDEMPOTENCY_TTL_SECS.to_string(),
                     &self.opts.max_ready,
                     &payload,
@@ -1899,10 +1953,10 @@ impl WorkQueue for RedisQueue {
         let r: i64 = self
             .run(
                 &self.scripts.add_tick,
-                &p,
+                p,
                 &[
-                    &keys::state(&p, &key.flow, &key.node),
-                    &keys::versions(&p, &key.flow, &key.node),
+                    &keys::state(p, &key.flow, &key.node),
+                    &keys::versions(p, &key.flow, &key.node),
                     &key.key.as_str(),
                     &tick.to_string(),
                     &payload,
@@ -1967,11 +2021,11 @@ impl WorkQueue for RedisQueue {
     async fn commit(&self, claimed: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
         let item = &claimed.item;
         let p = self.prefix_of(&item.flow);
-        let (kind, reason) = match fx.end.clone().unwrap_or(End::Ack) {
-            End::Ack => ("ack", fx.outcome.clone().unwrap_or_else(|| "done".into())),
-            End::Superseded => ("ack", "superseded by a newer timer".into()),
-            End::DeadLetter(r) => ("dead", r),
-            End::Park => ("park", String::new()),
+        let (kind, reason): (_, std::borrow::Cow<str>) = match &fx.end {
+            None | Some(End::Ack) => ("ack", fx.outcome.as_deref().unwrap_or("done").into()),
+            Some(End::Superseded) => ("ack", "superseded by a newer timer".into()),
+            Some(End::DeadLetter(r)) => ("dead", r.as_str().into()),
+            Some(End::Park) => ("park", "".into()),
         };
         let mut items = Vec::new();
         for it in fx.follow_ups.iter().chain(&fx.delayed) {
@@ -1987,8 +2041,8 @@ impl WorkQueue for RedisQueue {
             .map(|w| {
                 let p = self.prefix_of(&w.key.flow);
                 Ok(serde_json::json!({
-                    "hk": keys::state(&p, &w.key.flow, &w.key.node),
-                    "vk": keys::versions(&p, &w.key.flow, &w.key.node),
+                    "hk": keys::state(p, &w.key.flow, &w.key.node),
+                    "vk": keys::versions(p, &w.key.flow, &w.key.node),
                     "key": w.key.key,
                     "read": w.read_version,
                     "del": w.value.is_none(),
@@ -2002,7 +2056,7 @@ impl WorkQueue for RedisQueue {
             .map(|(k, want)| {
                 let p = self.prefix_of(&k.flow);
                 Ok(serde_json::json!({
-                    "hk": keys::state(&p, &k.flow, &k.node),
+                    "hk": keys::state(p, &k.flow, &k.node),
                     "key": k.key,
                     "want": serde_json::to_string(want).map_err(corrupt)?,
                 }))
@@ -2031,34 +2085,35 @@ impl WorkQueue for RedisQueue {
             let fields = FinishedFields {
                 st: "finished",
                 reason: &reason,
-                at: now_ms().to_string(),
+                at: AsText(now_ms()),
                 flow: &item.flow,
-                deliveries: item.deliveries.to_string(),
-                enq: item.enqueued_at.to_string(),
+                deliveries: AsText(item.deliveries),
+                enq: AsText(item.enqueued_at),
             };
-            let mut rec = Vec::with_capacity(512);
-            serde_json::to_writer(&mut rec, &fields).map_err(corrupt)?;
-            rec.push(b'\n');
+            let mut rec = serde_json::to_string(&fields).map_err(corrupt)?;
+            // Called so: `rec.push` would find `RedisArg::push` first.
+            String::push(&mut rec, '\n');
             // The body as journaled (its deliveries and due time are the record's own
             // fields, which a view reads instead).
             if claimed.journaled.is_empty() {
-                serde_json::to_writer(&mut rec, item).map_err(corrupt)?;
+                rec.push_str(&serde_json::to_string(item).map_err(corrupt)?);
             } else {
-                rec.extend_from_slice(claimed.journaled.as_bytes());
+                rec.push_str(&claimed.journaled);
             }
-            String::from_utf8(rec).map_err(corrupt)?
+            rec
         } else {
             String::new()
         };
         let args = if kind == "ack" && effects.is_empty() && !claimed.entry.is_empty() {
             // The line its claim wrote in `live` (see `CLAIM`): lease, entry, the
             // deliveries before this one.
-            let line = format!(
-                "{} {} {}",
-                claimed.lease,
-                claimed.entry,
-                item.deliveries.saturating_sub(1)
-            );
+            let mut n = itoa::Buffer::new();
+            let mut line = String::with_capacity(48);
+            line.push_str(n.format(claimed.lease));
+            String::push(&mut line, ' ');
+            line.push_str(&claimed.entry);
+            String::push(&mut line, ' ');
+            line.push_str(n.format(item.deliveries.saturating_sub(1)));
             CommitArgs::Plain([item.id.to_string(), line, claimed.entry.clone(), record])
         } else {
             CommitArgs::Full([
@@ -2066,12 +2121,12 @@ impl WorkQueue for RedisQueue {
                 claimed.lease.to_string(),
                 item.flow.clone(),
                 kind.to_string(),
-                reason,
+                reason.into_owned(),
                 effects,
                 record,
             ])
         };
-        let r = self.commit_grouped(&p, args).await?;
+        let r = self.commit_grouped(p, args).await?;
         if r == "failed" {
             return Err(QueueError::Unavailable("failpoint `commit` fired".into()));
         }
@@ -2105,7 +2160,7 @@ impl WorkQueue for RedisQueue {
                 let (got, next): (usize, String) = self
                     .run(
                         &self.scripts.reclaim,
-                        &p,
+                        p,
                         &[&"weir-reclaimer", &idle, &cursor, &RECLAIM_BATCH],
                     )
                     .await?;
@@ -2127,16 +2182,19 @@ impl WorkQueue for RedisQueue {
             let flat: Vec<redis::Value> = self
                 .run(
                     &self.scripts.recover,
-                    &p,
+                    p,
                     &[&consumer, &(RECLAIM_BATCH * RECLAIM_ROUNDS)],
                 )
                 .await?;
-            for row in claimed_rows(flat)? {
-                match row.decode(consumer) {
+            let (lease, rows) = claimed_rows(flat)?;
+            for row in rows {
+                match row.decode(lease, consumer) {
                     Ok(c) => back.push(c),
-                    Err((id, e)) => {
+                    Err((entry, e)) => {
                         let reason = format!("undecodable item: {e}");
-                        let _: i64 = self.run(&self.scripts.bury, &p, &[&id, &reason]).await?;
+                        let id: String =
+                            self.run(&self.scripts.bury, p, &[&entry, &reason]).await?;
+                        tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered");
                     }
                 }
             }
@@ -2154,7 +2212,7 @@ impl WorkQueue for RedisQueue {
         for p in self.prefixes() {
             for _ in 0..RECLAIM_ROUNDS {
                 let (got, left): (usize, usize) = self
-                    .run(&self.scripts.release, &p, &[&consumer, &RECLAIM_BATCH])
+                    .run(&self.scripts.release, p, &[&consumer, &RECLAIM_BATCH])
                     .await?;
                 n += got;
                 if left == 0 {
@@ -2172,7 +2230,7 @@ impl WorkQueue for RedisQueue {
         let before = before.to_string();
         for shard in self.prefixes() {
             let (o, d): (usize, usize) = self
-                .run(&self.scripts.prune, &shard, &[&before, &10_000usize])
+                .run(&self.scripts.prune, shard, &[&before, &10_000usize])
                 .await?;
             p.outcomes += o;
             p.dead += d;
@@ -2185,7 +2243,7 @@ impl WorkQueue for RedisQueue {
         let now = now.to_string();
         for p in self.prefixes() {
             let got: usize = self
-                .run(&self.scripts.move_due, &p, &[&now, &PROMOTE_BATCH])
+                .run(&self.scripts.move_due, p, &[&now, &PROMOTE_BATCH])
                 .await?;
             n += got;
         }
@@ -2197,7 +2255,7 @@ impl WorkQueue for RedisQueue {
         let mut c = self.conn.clone();
         for p in self.prefixes() {
             let first: Vec<(String, f64)> = c
-                .zrange_withscores(keys::delayed(&p), 0, 0)
+                .zrange_withscores(keys::delayed(p), 0, 0)
                 .await
                 .map_err(unavailable)?;
             if let Some((_, t)) = first.first() {
@@ -2209,7 +2267,7 @@ impl WorkQueue for RedisQueue {
     }
 
     async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
-        let key = keys::paused(&self.prefix_of(flow));
+        let key = keys::paused(self.prefix_of(flow));
         let mut c = self.conn.clone();
         if paused {
             c.sadd::<_, _, ()>(key, flow).await.map_err(unavailable)
@@ -2220,39 +2278,39 @@ impl WorkQueue for RedisQueue {
 
     async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
         let mut c = self.conn.clone();
-        c.sismember(keys::paused(&self.prefix_of(flow)), flow)
+        c.sismember(keys::paused(self.prefix_of(flow)), flow)
             .await
             .map_err(unavailable)
     }
 
     async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
         let mut c = self.conn.clone();
-        c.llen(keys::parked(&self.prefix_of(flow), flow))
+        c.llen(keys::parked(self.prefix_of(flow), flow))
             .await
             .map_err(unavailable)
     }
 
     async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
-        self.run(&self.scripts.unpark, &self.prefix_of(flow), &[&flow])
+        self.run(&self.scripts.unpark, self.prefix_of(flow), &[&flow])
             .await
     }
 
     async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
         let r: Option<String> = self
-            .run(&self.scripts.unpark_one, &self.prefix_of(flow), &[&flow])
+            .run(&self.scripts.unpark_one, self.prefix_of(flow), &[&flow])
             .await?;
         r.map(|id| Ulid::from_string(&id).map_err(corrupt))
             .transpose()
     }
 
     async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
-        self.run(&self.scripts.clear_flow, &self.prefix_of(flow), &[&flow])
+        self.run(&self.scripts.clear_flow, self.prefix_of(flow), &[&flow])
             .await
     }
 
     async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
         let p = self.prefix_of(&key.flow);
-        let k = keys::done(&p, &key.item.to_string());
+        let k = keys::done(p, &key.item.to_string());
         let v = serde_json::to_string(&outputs).map_err(corrupt)?;
         let mut c = self.conn.clone();
         redis::pipe()
@@ -2269,7 +2327,7 @@ impl WorkQueue for RedisQueue {
         let p = self.prefix_of(&key.flow);
         let mut c = self.conn.clone();
         let v: Option<String> = c
-            .hget(keys::done(&p, &key.item.to_string()), done_field(key))
+            .hget(keys::done(p, &key.item.to_string()), done_field(key))
             .await
             .map_err(unavailable)?;
         v.map(|v| serde_json::from_str(&v).map_err(corrupt))
@@ -2367,7 +2425,7 @@ impl WorkQueue for RedisQueue {
                 i64,
                 String,
                 u64,
-            ) = self.run(&self.scripts.stats, &p, &[]).await?;
+            ) = self.run(&self.scripts.stats, p, &[]).await?;
             s.ready += ready.max(0) as usize;
             s.in_flight += in_flight.max(0) as usize;
             s.delayed += delayed.max(0) as usize;
@@ -2387,14 +2445,14 @@ impl WorkQueue for RedisQueue {
         let mut c = self.conn.clone();
         for p in self.prefixes() {
             let newest: redis::streams::StreamRangeReply = c
-                .xrevrange_count(keys::dead(&p), "+", "-", n)
+                .xrevrange_count(keys::dead(p), "+", "-", n)
                 .await
                 .map_err(unavailable)?;
             for e in newest.ids {
                 let Some(id) = e.get::<String>("id") else {
                     continue;
                 };
-                if let Some(v) = self.record(&p, &id).await? {
+                if let Some(v) = self.record(p, &id).await? {
                     out.push(v);
                 }
             }
@@ -2419,7 +2477,7 @@ impl WorkQueue for RedisQueue {
         let mut c = self.conn.clone();
         let shards = match &f.flow {
             Some(flow) => vec![self.prefix_of(flow)],
-            None => self.prefixes(),
+            None => self.prefixes().iter().map(String::as_str).collect(),
         };
         for p in shards {
             let mut from = f
@@ -2430,14 +2488,14 @@ impl WorkQueue for RedisQueue {
             // Pages of ids in ULID order, filtered, until enough match (bounded).
             for _ in 0..1000 {
                 let ids: Vec<String> = c
-                    .zrangebylex_limit(keys::index(&p), &from, "+", 0, 200)
+                    .zrangebylex_limit(keys::index(p), &from, "+", 0, 200)
                     .await
                     .map_err(unavailable)?;
                 let Some(last) = ids.last().cloned() else {
                     break;
                 };
                 for id in &ids {
-                    if let Some(v) = self.record(&p, id).await? {
+                    if let Some(v) = self.record(p, id).await? {
                         let flow_ok = f.flow.as_ref().is_none_or(|fl| *fl == v.item.flow);
                         let state_ok = f.state.as_ref().is_none_or(|s| s == v.state.name());
                         if flow_ok && state_ok {
@@ -2446,7 +2504,7 @@ impl WorkQueue for RedisQueue {
                         }
                     } else {
                         // The record was pruned; drop its id from the index too.
-                        let _: () = c.zrem(keys::index(&p), id).await.map_err(unavailable)?;
+                        let _: () = c.zrem(keys::index(p), id).await.map_err(unavailable)?;
                     }
                     if taken >= limit {
                         break;
