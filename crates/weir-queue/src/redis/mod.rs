@@ -136,9 +136,9 @@ insert(cjson.decode(ARGV[7]))
 return 1
 "#;
 
-/// ARGV[3] the consumer, ARGV[4] how many at most. Answers six values for each item
-/// claimed, flat, after the call's lease: entry, the deliveries before this one (with an `s`
-/// after it when a step made the item ready), body. The item's id is the body's. Every item
+/// ARGV[3] the consumer, ARGV[4] how many at most. Answers the call's lease, then three
+/// values for each item claimed, flat: entry, the deliveries before this one (with an `s`
+/// after it when a step made the item ready), body (nothing at all when nothing was read). The item's id is the body's. Every item
 /// of one call has the same lease (new with each call): with the item's own line, that names
 /// its claim, so it is answered once. No number is made text per item (Lua's conversion
 /// costs more than the rest of an item's work here), and nothing is answered that the
@@ -1595,8 +1595,11 @@ impl RedisQueue {
                         .run::<String>(&self.scripts.bury, p, &[&entry, &reason])
                         .await
                     {
-                        Ok(id) => {
+                        Ok(id) if !id.is_empty() => {
                             tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered")
+                        }
+                        Ok(_) => {
+                            tracing::warn!(%entry, error = %e, "an item that cannot be decoded was no longer in flight on this claim; left where it is")
                         }
                         Err(e) => {
                             tracing::warn!(%entry, error = %e, "cannot set the undecodable item aside yet; it comes back after the reclaim delay")
@@ -2194,7 +2197,9 @@ impl WorkQueue for RedisQueue {
                         let reason = format!("undecodable item: {e}");
                         let id: String =
                             self.run(&self.scripts.bury, p, &[&entry, &reason]).await?;
-                        tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered");
+                        if !id.is_empty() {
+                            tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered");
+                        }
                     }
                 }
             }
