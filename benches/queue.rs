@@ -25,11 +25,12 @@ use serde_json::json;
 use weir_queue::testing::RedisServer;
 use weir_queue::{
     Committed, End, Failpoints, RedisOptions, RedisQueue, Reply, SqliteQueue, WaveEffects,
-    WorkItem, WorkQueue,
+    WorkQueue,
 };
 use weir_testkit::ceilings::{
-    bytes_written, cpu_time, drive_pipelined, fsync_probe, redis_lean_pipelined,
-    redis_lean_scripts, redis_server_cpu, redis_streams_loop, sqlite_batched, QueuePipe,
+    bytes_written, cpu_time, drive_pipelined, fsync_probe, queue_item as item,
+    redis_lean_pipelined, redis_lean_scripts, redis_server_cpu, redis_streams_loop, sqlite_batched,
+    QueuePipe,
 };
 
 #[global_allocator]
@@ -37,10 +38,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Items per batched iteration: as many as the bare ceiling puts in one transaction.
 const BATCH: usize = 256;
-
-fn item() -> WorkItem {
-    weir_testkit::ceilings::queue_item()
-}
 
 /// Items per second measured over every iteration criterion ran.
 #[derive(Default)]

@@ -727,12 +727,22 @@ impl<T: itoa::Integer + Copy> Serialize for AsText<T> {
     }
 }
 
-/// One item as `CLAIM` and `RECOVER` answer it.
+/// One row of what `CLAIM` and `RECOVER` answer.
+enum Row {
+    Item(ClaimedRow),
+    /// An entry weir did not write, which the script has already taken out of the stream:
+    /// its fields as text (cut to 200 bytes), to report.
+    Foreign {
+        entry: String,
+        fields: String,
+    },
+}
+
+/// An item claimed, as the scripts answer it.
 struct ClaimedRow {
     entry: String,
-    /// Counted with this delivery; `None` for an entry weir did not write (its fields, as
-    /// text, are then where the body goes).
-    deliveries: Option<u32>,
+    /// Counted with this delivery.
+    deliveries: u32,
     stepped: bool,
     body: String,
 }
@@ -741,8 +751,7 @@ impl ClaimedRow {
     /// The item claimed under `lease`, keeping its entry and its JSON as read; or its entry
     /// and why its body cannot be decoded (a poison entry, for the caller to set aside).
     fn decode(self, lease: u64, consumer: &str) -> Result<Claimed, (String, serde_json::Error)> {
-        let deliveries = self.deliveries.unwrap_or(1);
-        match Claimed::decode(&self.body, deliveries, lease, consumer, self.stepped) {
+        match Claimed::decode(&self.body, self.deliveries, lease, consumer, self.stepped) {
             Ok(c) => Ok(Claimed {
                 entry: self.entry,
                 journaled: self.body,
@@ -755,7 +764,7 @@ impl ClaimedRow {
 
 /// The lease and the rows of a claim's flat answer (the lease, then three values an item;
 /// nothing at all when there was nothing to claim).
-fn claimed_rows(flat: Vec<redis::Value>) -> Result<(u64, Vec<ClaimedRow>), QueueError> {
+fn claimed_rows(flat: Vec<redis::Value>) -> Result<(u64, Vec<Row>), QueueError> {
     let bad = |why: String| corrupt(format!("a claim's answer: {why}"));
     let mut it = flat.into_iter();
     let Some(lease) = it.next() else {
@@ -778,13 +787,10 @@ fn claimed_rows(flat: Vec<redis::Value>) -> Result<(u64, Vec<ClaimedRow>), Queue
         let d = text(d)?;
         let body = text(body)?;
         if d.is_empty() {
-            // The fields of an entry weir did not write, cut to 200 bytes: text to show,
-            // whatever bytes it holds.
-            rows.push(ClaimedRow {
+            // Text to show, whatever bytes it holds.
+            rows.push(Row::Foreign {
                 entry,
-                deliveries: None,
-                stepped: false,
-                body: String::from_utf8_lossy(&body).into_owned(),
+                fields: String::from_utf8_lossy(&body).into_owned(),
             });
             continue;
         }
@@ -796,13 +802,13 @@ fn claimed_rows(flat: Vec<redis::Value>) -> Result<(u64, Vec<ClaimedRow>), Queue
             .ok()
             .and_then(|d| d.parse().ok())
             .ok_or_else(|| bad(format!("deliveries {:?}", String::from_utf8_lossy(d))))?;
-        rows.push(ClaimedRow {
+        rows.push(Row::Item(ClaimedRow {
             entry,
-            deliveries: Some(before.saturating_add(1)),
+            deliveries: before.saturating_add(1),
             stepped,
             // weir's own bodies are UTF-8 JSON.
             body: String::from_utf8(body).map_err(|e| bad(e.to_string()))?,
-        });
+        }));
     }
     Ok((lease, rows))
 }
@@ -1574,41 +1580,50 @@ impl RedisQueue {
         let (lease, rows) = claimed_rows(flat)?;
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
-            if row.deliveries.is_none() {
-                // Not weir's: the script has already taken it out of the stream.
-                metrics::counter!("weir_redis_foreign_entries_total").increment(1);
-                tracing::warn!(
-                    entry = %row.entry,
-                    // Debug: quoted and escaped, so its text cannot pass for lines of the log.
-                    fields = ?row.body,
-                    "a stream entry weir did not write was found in the queue's stream and removed; \
-                     whatever wrote it should use a webhook or MQTT instead"
-                );
-                continue;
-            }
+            let row = match row {
+                Row::Item(row) => row,
+                Row::Foreign { entry, fields } => {
+                    // Not weir's: the script has already taken it out of the stream.
+                    metrics::counter!("weir_redis_foreign_entries_total").increment(1);
+                    tracing::warn!(
+                        %entry,
+                        // Debug: quoted and escaped, so its text cannot pass for lines of the log.
+                        fields = ?fields,
+                        "a stream entry weir did not write was found in the queue's stream and removed; \
+                         whatever wrote it should use a webhook or MQTT instead"
+                    );
+                    continue;
+                }
+            };
             match row.decode(lease, consumer) {
                 Ok(c) => out.push(c),
+                // A poison entry: set it aside with the reason, go on with the rest.
                 Err((entry, e)) => {
-                    // A poison entry: set it aside with the reason, go on with the rest.
-                    let reason = format!("undecodable item: {e}");
-                    match self
-                        .run::<String>(&self.scripts.bury, p, &[&entry, &reason])
-                        .await
-                    {
-                        Ok(id) if !id.is_empty() => {
-                            tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered")
-                        }
-                        Ok(_) => {
-                            tracing::warn!(%entry, error = %e, "an item that cannot be decoded was no longer in flight on this claim; left where it is")
-                        }
-                        Err(e) => {
-                            tracing::warn!(%entry, error = %e, "cannot set the undecodable item aside yet; it comes back after the reclaim delay")
-                        }
+                    if let Err(err) = self.bury_undecodable(p, &entry, &e).await {
+                        tracing::warn!(%entry, error = %err, "cannot set the undecodable item aside yet; it comes back after the reclaim delay");
                     }
                 }
             }
         }
         Ok(out)
+    }
+
+    /// Dead-letter a claimed item of shard `p` whose body cannot be decoded, found by its
+    /// entry (a claim's answer carries no id), and say so in the log.
+    async fn bury_undecodable(
+        &self,
+        p: &str,
+        entry: &str,
+        e: &serde_json::Error,
+    ) -> Result<(), QueueError> {
+        let reason = format!("undecodable item: {e}");
+        let id: String = self.run(&self.scripts.bury, p, &[&entry, &reason]).await?;
+        if id.is_empty() {
+            tracing::warn!(%entry, error = %e, "an item that cannot be decoded was no longer in flight on this claim; left where it is");
+        } else {
+            tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered");
+        }
+        Ok(())
     }
 
     /// One claim over every shard, at most `max` items. With several shards, each is asked
@@ -2191,16 +2206,11 @@ impl WorkQueue for RedisQueue {
                 .await?;
             let (lease, rows) = claimed_rows(flat)?;
             for row in rows {
+                // `RECOVER` answers only items in flight on their entries, never a foreign one.
+                let Row::Item(row) = row else { continue };
                 match row.decode(lease, consumer) {
                     Ok(c) => back.push(c),
-                    Err((entry, e)) => {
-                        let reason = format!("undecodable item: {e}");
-                        let id: String =
-                            self.run(&self.scripts.bury, p, &[&entry, &reason]).await?;
-                        if !id.is_empty() {
-                            tracing::error!(%id, %entry, error = %e, "an item that cannot be decoded is dead-lettered");
-                        }
-                    }
+                    Err((entry, e)) => self.bury_undecodable(p, &entry, &e).await?,
                 }
             }
         }
