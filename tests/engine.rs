@@ -1249,18 +1249,14 @@ nodes:
         })
         .await;
         // The bound was hit, and that is counted as every bound is.
-        let metrics = reqwest::get(format!("http://{}/metrics", e.admin_addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        let hits: f64 = metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(r#"weir_bounds_hit_total{bound="webhook_waves"} "#))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0);
-        assert!(hits >= 1.0, "{url}: the bound's hits counted: {metrics}");
+        let base = format!("http://{}", e.admin_addr);
+        let hits = weir_testkit::metric_sum(
+            &base,
+            "weir_bounds_hit_total",
+            &[r#"bound="webhook_waves""#],
+        )
+        .await;
+        assert!(hits >= 1, "{url}: the bound's hits counted: {hits}");
         // Once the slow waves end, it runs too.
         for id in &ids {
             wait_finished(&e, id).await;
