@@ -377,10 +377,10 @@ nodes:
     e.shutdown().await;
 }
 
-/// A password in an http-request's URL is sent (as basic auth) and never shown: a failure's
-/// reason, which the dead letter, the log and a `respond: wave` answer carry, names the
-/// server with `***` for the password, whether the server answered 4xx or could not be
-/// reached at all.
+/// A password in an http-request's URL is sent (as basic auth) and never shown, and neither
+/// is a secret query parameter's value (`?api_key=`, `&token=`): a failure's reason, which
+/// the dead letter, the log and a `respond: wave` answer carry, names the server with `***`
+/// in their places, whether the server answered 4xx or could not be reached at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_password_in_a_url_is_never_shown_in_a_failure() {
     let sink = Sink::start().await;
@@ -392,10 +392,10 @@ nodes:
   refused: {{ type: webhook, path: refused, respond: wave, timeout: 20s, to: [told] }}
   told: {{ type: http-request, url: "{}", to: [answer] }}
   away: {{ type: webhook, path: away, respond: wave, timeout: 20s, to: [gone] }}
-  gone: {{ type: http-request, url: "http://weir:hunter2@127.0.0.1:{closed}/x", retry: {{ initial: 50ms, max: 100ms }}, to: [answer] }}
+  gone: {{ type: http-request, url: "http://weir:hunter2@127.0.0.1:{closed}/x?n=2&token=t0k3n", retry: {{ initial: 50ms, max: 100ms }}, to: [answer] }}
   answer: {{ type: http-response }}
 "#,
-        with_password(sink.url("in"))
+        with_password(sink.url("in")) + "?api_key=s3cr3t&n=1"
     );
     let mut exec = weir_testkit::test_exec();
     exec.max_age = Duration::from_millis(500);
@@ -406,22 +406,28 @@ nodes:
     let (_, body) = told(r, 500).await;
     let error = body["error"].as_str().unwrap();
     assert!(
-        error.contains("answered 404") && error.contains("http://weir:***@127.0.0.1:"),
+        error.contains("answered 404")
+            && error.contains("http://weir:***@127.0.0.1:")
+            && error.contains("/in?api_key=***&n=1"),
         "{body}"
     );
     assert!(!body.to_string().contains("hunter2"), "{body}");
+    assert!(!body.to_string().contains("s3cr3t"), "{body}");
     let dead = body["dead_letters"][0].as_str().unwrap();
     let item = get_json(&e, &format!("/api/items/{dead}")).await;
     assert!(!item.to_string().contains("hunter2"), "{item}");
+    assert!(!item.to_string().contains("s3cr3t"), "{item}");
 
     let r = post_json(&e, "away", json!({"n": 2})).await;
     let (_, body) = told(r, 500).await;
     let error = body["error"].as_str().unwrap();
     assert!(
-        error.contains("expired") && error.contains(&format!("weir:***@127.0.0.1:{closed}")),
+        error.contains("expired")
+            && error.contains(&format!("weir:***@127.0.0.1:{closed}/x?n=2&token=***")),
         "{body}"
     );
     assert!(!body.to_string().contains("hunter2"), "{body}");
+    assert!(!body.to_string().contains("t0k3n"), "{body}");
     e.shutdown().await;
 }
 

@@ -1,12 +1,67 @@
-//! How a server's URL is shown in an error or the log: with its password hidden, so that an
-//! engine that cannot reach its Redis or its broker says which one without writing the
-//! credentials into the log (docs/security.md).
+//! How a server's URL is shown in an error or the log: with its password and its secret query
+//! values hidden, so that an engine that cannot reach its Redis, its broker or an
+//! http-request's server says which one without writing the credentials into the log or a
+//! dead letter's reason (docs/security.md).
 
 use std::borrow::Cow;
 
 /// `url` with the password of its `USER:PASSWORD@` (each one, for a list of nodes) shown as
-/// `***`; a `TOKEN@` with no colon is hidden whole. Everything else is kept.
+/// `***`; a `TOKEN@` with no colon is hidden whole; and so is the value of each query
+/// parameter whose name says it holds a secret (`?api_key=`, `&token=`, `&sig=`: see
+/// `secret_name`). Everything else is kept.
 pub fn url(url: &str) -> Cow<'_, str> {
+    match query_hidden(url) {
+        Cow::Borrowed(_) => userinfo_hidden(url),
+        Cow::Owned(q) => Cow::Owned(userinfo_hidden(&q).into_owned()),
+    }
+}
+
+/// Whether a query parameter named `name` holds a secret, by the words such names are made
+/// of: `key` (`api_key`, `apikey`, `access_key`), `token`, `secret`, `password`, `passwd`,
+/// `pwd`, `auth`, `sig` (`signature`), `credential`, `session`.
+fn secret_name(name: &str) -> bool {
+    const WORDS: [&str; 10] = [
+        "key",
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "pwd",
+        "auth",
+        "sig",
+        "credential",
+        "session",
+    ];
+    let name = name.to_ascii_lowercase();
+    WORDS.iter().any(|w| name.contains(w))
+}
+
+/// `url` with the values of its secret query parameters shown as `***`.
+fn query_hidden(url: &str) -> Cow<'_, str> {
+    let Some(q) = url.find('?') else {
+        return Cow::Borrowed(url);
+    };
+    let end = url[q..].find('#').map_or(url.len(), |i| q + i);
+    let query = &url[q + 1..end];
+    let hides = |pair: &str| {
+        pair.split_once('=')
+            .is_some_and(|(k, v)| !v.is_empty() && secret_name(k))
+    };
+    if !query.split('&').any(hides) {
+        return Cow::Borrowed(url);
+    }
+    let pairs: Vec<Cow<'_, str>> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((k, _)) if hides(pair) => Cow::Owned(format!("{k}=***")),
+            _ => Cow::Borrowed(pair),
+        })
+        .collect();
+    Cow::Owned(format!("{}?{}{}", &url[..q], pairs.join("&"), &url[end..]))
+}
+
+/// `url` with the credentials before its hosts hidden.
+fn userinfo_hidden(url: &str) -> Cow<'_, str> {
     let Some((scheme, rest)) = url.split_once("://") else {
         return Cow::Borrowed(url);
     };
@@ -63,6 +118,22 @@ mod tests {
                 "https://api.example/x?to=a@b",
             ),
             ("sqlite:weir-data/queue.db", "sqlite:weir-data/queue.db"),
+            (
+                "https://api.example/v1/send?api_key=s3cr3t&to=kitchen",
+                "https://api.example/v1/send?api_key=***&to=kitchen",
+            ),
+            (
+                "https://u:pw@api.example/x?to=a@b&access_token=abc&Signature=zz#frag",
+                "https://u:***@api.example/x?to=a@b&access_token=***&Signature=***#frag",
+            ),
+            (
+                "https://hooks.example/x?apiKey=1&token=&page=2",
+                "https://hooks.example/x?apiKey=***&token=&page=2",
+            ),
+            (
+                "redis://127.0.0.1:6379/0?ns=a&shards=4&max_ready=10",
+                "redis://127.0.0.1:6379/0?ns=a&shards=4&max_ready=10",
+            ),
         ] {
             assert_eq!(url(given), shown, "{given}");
         }
