@@ -90,7 +90,7 @@ mod tests {
     use super::url;
 
     #[test]
-    fn a_password_is_hidden_and_the_server_still_named() {
+    fn passwords_and_secret_query_values_are_hidden_and_the_server_still_named() {
         for (given, shown) in [
             (
                 "redis://127.0.0.1:6379/2?ns=a",
