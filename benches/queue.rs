@@ -406,7 +406,7 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
     }
     let paired = Paired::run(rt, &server.url(), &redis_q);
     report.push(format!(
-        "redis  pipelined: {:>9.0} items/s | raw XADD+XREADGROUP+XACK {:>7.0}/s | ratio {:.2}, the median of {} alternating rounds ({}); criterion's run above, {:.0} items/s, against the better of the bare rounds around it: {:.2}",
+        "redis  pipelined: {:>9.0} items/s | raw XADD+XREADGROUP+XACK {:>7.0}/s | ratio {:.2}, the median of {} alternating rounds ({}); criterion's run above, {:.0} items/s, against the better of the bare runs before and after it: {:.2}",
         paired.weir,
         paired.bare,
         paired.ratio,
