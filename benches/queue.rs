@@ -237,9 +237,15 @@ async fn lone_reply(
 }
 
 /// The median, in ms.
-fn median(mut v: Vec<Duration>) -> f64 {
-    v.sort();
-    v[v.len() / 2].as_secs_f64() * 1e3
+/// The median of `v`, in milliseconds.
+fn median(v: Vec<Duration>) -> f64 {
+    middle(v.iter().map(|d| d.as_secs_f64() * 1e3).collect())
+}
+
+/// The middle value of `v` (the upper one of an even count).
+fn middle(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Run one case under criterion; returns the items and time of every iteration it ran.
@@ -463,15 +469,10 @@ impl Paired {
             weirs.push(weir);
             bares.push(bare);
         }
-        let median = |v: &[f64]| {
-            let mut v = v.to_vec();
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
         Paired {
-            ratio: median(&ratios),
-            weir: median(&weirs),
-            bare: median(&bares),
+            ratio: middle(ratios.clone()),
+            weir: middle(weirs),
+            bare: middle(bares),
             ratios,
         }
     }
