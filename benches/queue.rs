@@ -236,7 +236,6 @@ async fn lone_reply(
     (post, replied)
 }
 
-/// The median, in ms.
 /// The median of `v`, in milliseconds.
 fn median(v: Vec<Duration>) -> f64 {
     middle(v.iter().map(|d| d.as_secs_f64() * 1e3).collect())
@@ -410,6 +409,7 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
             rate / ceiling
         ));
     }
+    let criterion_pipelined = rates[2];
     let paired = Paired::run(rt, &server.url(), &redis_q);
     report.push(format!(
         "redis  pipelined: {:>9.0} items/s | raw XADD+XREADGROUP+XACK {:>7.0}/s | ratio {:.2}, the median of {} alternating rounds ({}); criterion's run above, {:.0} items/s, against the better of the bare runs before and after it: {:.2}",
@@ -423,8 +423,8 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
             .map(|r| format!("{r:.2}"))
             .collect::<Vec<_>>()
             .join(", "),
-        rates[2],
-        rates[2] / raw_batched
+        criterion_pipelined,
+        criterion_pipelined / raw_batched
     ));
     report.push(redis_server_floor(rt, &server.url(), &redis_q, paired.bare));
     report.push(rt.block_on(lone(redis_q.clone(), "redis ")));

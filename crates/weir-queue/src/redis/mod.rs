@@ -140,9 +140,10 @@ return 1
 /// values for each item claimed, flat: entry, the deliveries before this one (with an `s`
 /// after it when a step made the item ready), body; nothing at all when nothing was read.
 /// The item's id is the body's. Every item of one call has the same lease (new with each
-/// call): with the item's own line, that names its claim, so it is answered once. No number is made text per item (Lua's conversion
-/// costs more than the rest of an item's work here), and nothing is answered that the
-/// client has already: each value is one more the client parses and Lua converts.
+/// call): with the item's own line, that names its claim, so it is answered once. No number
+/// is made text per item (Lua's conversion costs more than the rest of an item's work
+/// here), and nothing is answered that the client has already: each value is one more the
+/// client parses and Lua converts.
 const CLAIM: &str = r#"
 local function read()
   return redis.pcall('XREADGROUP', 'GROUP', G, ARGV[3], 'COUNT', ARGV[4], 'STREAMS', STREAM, '>')
