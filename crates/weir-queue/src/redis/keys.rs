@@ -1,4 +1,4 @@
-//! Every Redis key weir uses, in one place. The Lua scripts (scripts.lua) build the same
+//! Every Redis key weir uses, in one place. The Lua scripts (scripts/helpers.lua) build the same
 //! names from the shard prefix; change both together.
 //!
 //! Keys are grouped in shards: `{NS:K}:…` with `K = fnv1a(flow) mod shards`. Everything a
@@ -36,7 +36,7 @@ pub fn item(p: &str, id: &str) -> String {
 
 /// Waiting and in-flight items by id: `- ENTRY` while waiting, `LEASE ENTRY SINCE
 /// DELIVERIES CONSUMER` once claimed (a hash). One more field, `~hashtable`, keeps it a hash
-/// table however few items are live (see scripts.lua).
+/// table however few items are live (see scripts/helpers.lua).
 pub fn live(p: &str) -> String {
     format!("{p}live")
 }
