@@ -27,7 +27,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use serde_json::json;
 use weir_queue::testing::RedisServer;
 use weir_queue::{
-    Committed, End, Failpoints, RedisOptions, RedisQueue, Reply, SqliteQueue, WaveEffects,
+    Admin, Committed, End, Failpoints, RedisOptions, RedisQueue, Reply, SqliteQueue, WaveEffects,
     WorkQueue,
 };
 use weir_testkit::ceilings::{
@@ -364,7 +364,7 @@ fn sqlite_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Ve
         });
     }
     report.push(rt.block_on(lone(sqlite.clone(), "sqlite")));
-    let s = rt.block_on(sqlite.stats()).unwrap();
+    let s = rt.block_on(sqlite_q.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),
         (0, 0),
@@ -379,12 +379,13 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
     );
     let server = RedisServer::start();
     // An engine on the bench's server.
-    let engine = || -> Arc<dyn WorkQueue> {
+    let engine = || -> Arc<RedisQueue> {
         let url = server.url();
         let q = RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
         Arc::new(rt.block_on(q).unwrap())
     };
-    let redis_q = engine();
+    let redis_own = engine();
+    let redis_q: Arc<dyn WorkQueue> = redis_own.clone();
     println!("redis: appendonly yes, appendfsync always (the server this bench starts)");
     let raw_single = rt.block_on(redis_streams_loop(&server.url(), 1, 2000));
     let raw_batched = rt.block_on(redis_streams_loop(&server.url(), BATCH, 200));
@@ -429,7 +430,7 @@ fn redis_cases(c: &mut Criterion, rt: &tokio::runtime::Runtime, report: &mut Vec
     report.push(redis_server_floor(rt, &server.url(), &redis_q, paired.bare));
     report.push(rt.block_on(lone(redis_q.clone(), "redis ")));
     report.push(rt.block_on(lone_across(redis_q.clone(), engine())));
-    let s = rt.block_on(redis_q.stats()).unwrap();
+    let s = rt.block_on(redis_own.stats()).unwrap();
     assert_eq!(
         (s.ready, s.in_flight),
         (0, 0),

@@ -281,7 +281,7 @@ async fn the_dashboard_session_opens_with_the_token_only_and_its_cookie_is_httpo
     assert_eq!(pause(None).await.unwrap().status(), 403);
     assert_eq!(pause(Some("0000")).await.unwrap().status(), 403);
     assert_eq!(pause(Some(&csrf)).await.unwrap().status(), 200);
-    assert!(e.queue.is_paused("f").await.unwrap());
+    assert!(e.queue.pausing().is_paused("f").await.unwrap());
     // Logged out, the cookie opens nothing.
     http.post(format!("{base}/ui/logout"))
         .header("cookie", &session)

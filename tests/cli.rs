@@ -207,7 +207,7 @@ async fn weir_backup_copies_the_queue_while_the_engine_runs() {
     );
     // The copy is a queue of its own, with the five timers in it.
     let q = weir_queue::SqliteQueue::open(&copy, weir_queue::Failpoints::new()).unwrap();
-    use weir_queue::WorkQueue;
+    use weir_queue::Admin;
     assert_eq!(q.stats().await.unwrap().delayed, 5);
     // It does not overwrite.
     let again = Command::new(weir_testkit::weir_bin())

@@ -99,7 +99,7 @@ nodes:
             .contains("weir_session"),
         "{seen}"
     );
-    assert!(!engine.queue.is_paused("orders").await.unwrap());
+    assert!(!engine.queue.pausing().is_paused("orders").await.unwrap());
 
     // Pause with the button.
     browser
@@ -108,7 +108,7 @@ nodes:
     browser
         .wait_for("#flow-orders[data-state='paused']", Duration::from_secs(10))
         .await;
-    assert!(engine.queue.is_paused("orders").await.unwrap());
+    assert!(engine.queue.pausing().is_paused("orders").await.unwrap());
 
     // An event arrives and is parked: the header counts it, the parked table lists it.
     let r = reqwest::Client::new()

@@ -143,7 +143,7 @@ async fn a_journal_answer_lost_is_retried_without_duplicates() {
     weir_testkit::eventually("the queue to be empty", Duration::from_secs(30), || {
         let q = q.clone();
         async move {
-            let s = q.stats().await.map_err(|e| e.to_string())?;
+            let s = q.admin().stats().await.map_err(|e| e.to_string())?;
             match (s.ready, s.in_flight) {
                 (0, 0) => Ok(()),
                 other => Err(format!("ready, in flight: {other:?}")),

@@ -8,7 +8,9 @@ use std::time::Duration;
 use serde_json::json;
 use weir::Failpoints;
 use weir_queue::testing::RedisServer;
-use weir_queue::{Committed, End, RedisOptions, RedisQueue, WaveEffects, WorkItem, WorkQueue};
+use weir_queue::{
+    Admin, Committed, End, RedisOptions, RedisQueue, WaveEffects, WorkItem, WorkQueue,
+};
 use weir_testkit::{post_json, start_on, wait_for, Sink};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,8 +110,8 @@ async fn a_stalled_engine_loses_its_item_to_another_and_its_late_commit_is_refus
     let redis = RedisServer::start();
     let url = redis.url();
     let connect = || RedisQueue::connect(&url, RedisOptions::default(), Failpoints::new());
-    let a: Arc<dyn WorkQueue> = Arc::new(connect().await.unwrap());
-    let b: Arc<dyn WorkQueue> = Arc::new(connect().await.unwrap());
+    let a = Arc::new(connect().await.unwrap());
+    let b = Arc::new(connect().await.unwrap());
     let item = WorkItem::cascade("f", "in", "test", vec![json!({"payload": 1})]);
     let id = item.id;
     a.add(vec![item]).await.unwrap();

@@ -1,15 +1,14 @@
 //! Trigger details: cron catch-up after downtime, HMAC-signed webhooks.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use weir::queue::{StateKey, WorkQueue};
+use weir::queue::StateKey;
 use weir::{Engine, MemoryQueue};
 use weir_testkit::{clear_of_the_hour, test_exec, wait_for, Sink};
 
-async fn start_on(q: Arc<dyn WorkQueue>, flow: &str) -> weir::RunningEngine {
+async fn start_on(q: weir::Queue, flow: &str) -> weir::RunningEngine {
     Engine::builder()
         .http(SocketAddr::from(([127, 0, 0, 1], 0)))
         .exec_config(test_exec())
@@ -27,7 +26,7 @@ async fn catch_up_last_fires_the_last_missed_tick_once_at_start() {
     // Across the top of an hour the schedule would also fire for real (a second tick).
     clear_of_the_hour(Duration::from_secs(30)).await;
     let sink = Sink::start().await;
-    let q: Arc<dyn WorkQueue> = Arc::new(MemoryQueue::new());
+    let q = weir::Queue::from(MemoryQueue::new());
     // The engine last fired this hourly schedule a day ago; it was down since.
     let day_ago = weir::queue::now_ms() - 24 * 3600 * 1000;
     let key = StateKey::new("c", "hourly", "last_tick");
@@ -72,7 +71,7 @@ async fn hmac_signed_webhooks_are_checked() {
     std::env::set_var("WEIR_TEST_HMAC_KEY", "k3y");
     let flow =
         "nodes:\n  h: { type: webhook, path: signed, auth: { hmac_env: WEIR_TEST_HMAC_KEY } }\n";
-    let e = start_on(Arc::new(MemoryQueue::new()), flow).await;
+    let e = start_on(MemoryQueue::new().into(), flow).await;
     let body = br#"{"order": 1}"#;
     let mut mac = Hmac::<sha2::Sha256>::new_from_slice(b"k3y").unwrap();
     mac.update(body);

@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use weir_nodes::LoadedFlow;
-use weir_queue::{now_ms, Claimed, Failpoints, QueueError, WorkQueue};
+use weir_queue::{now_ms, Claimed, Failpoints, Queue, QueueError};
 
 /// Executor settings.
 #[derive(Debug, Clone)]
@@ -293,7 +293,7 @@ impl Flows {
 }
 
 pub struct Executor {
-    pub queue: Arc<dyn WorkQueue>,
+    pub queue: Queue,
     pub flows: Arc<Flows>,
     pub cfg: ExecConfig,
     pub failpoints: Failpoints,
@@ -448,7 +448,7 @@ struct Lane {
 
 impl Executor {
     pub fn new(
-        queue: Arc<dyn WorkQueue>,
+        queue: Queue,
         flows: Arc<Flows>,
         cfg: ExecConfig,
         failpoints: Failpoints,
@@ -474,7 +474,7 @@ impl Executor {
     /// hold the flow's semaphore's queue, so none is free while they wait, and the item is
     /// journaled claimed only when no other is ready.
     pub fn place_for(&self, flow: &str, node: &str) -> Option<Place> {
-        if !self.queue.claims_on_add() || self.waves.is_closed() {
+        if self.queue.claim_on_add().is_none() || self.waves.is_closed() {
             return None;
         }
         let f = self.flows.get(flow)?;
@@ -500,7 +500,7 @@ impl Executor {
         })
     }
 
-    /// The wave of `c`, journaled claimed by this engine (`WorkQueue::add_claimed`) into
+    /// The wave of `c`, journaled claimed by this engine (`ClaimOnAdd::add_claimed`) into
     /// `place`, for its caller to run as far as it needs (a webhook, until its reply); what
     /// is left goes on as a task of its own when the caller drops it.
     pub fn start_claimed(self: &Arc<Self>, place: Place, c: Claimed) -> StartedWave {
@@ -527,7 +527,11 @@ impl Executor {
             tokio::time::Instant::now() - every + every.min(Duration::from_secs(60));
         // Items a previous run under this consumer name left in flight are taken back at
         // once; any other engine's only after `reclaim_after`.
-        match self.queue.recover(&self.cfg.consumer).await {
+        let recovered = match self.queue.consumers() {
+            Some(c) => c.recover(&self.cfg.consumer).await,
+            None => Ok(0),
+        };
+        match recovered {
             Ok(0) => {}
             Ok(n) => {
                 tracing::info!(count = n, consumer = %self.cfg.consumer, "took back the items an earlier run of this engine left in flight")
@@ -539,13 +543,16 @@ impl Executor {
         // `claims_ahead` claims wait in the backend at once, each holding the in-flight
         // permits it asked for (see [`Claims`]).
         let mut claims = Claims::default();
-        let ahead = self.queue.claims_ahead().max(1);
+        let ahead = self
+            .queue
+            .claims_wait()
+            .map_or(1, |c| c.claims_ahead().max(1));
         loop {
             if shutdown.is_cancelled() {
                 break;
             }
             let housekeeping = async {
-                let promotes = self.queue.promotes_due_items();
+                let promotes = self.queue.claims_wait().is_some();
                 if !promotes {
                     self.queue.move_due(now_ms()).await?;
                 }
@@ -702,7 +709,11 @@ impl Executor {
         }
         // What this engine still holds goes back to the queue now, not after the reclaim
         // delay; a wave still running past the grace period has its commit refused.
-        match self.queue.release(&self.cfg.consumer).await {
+        let released = match self.queue.consumers() {
+            Some(c) => c.release(&self.cfg.consumer).await,
+            None => Ok(0),
+        };
+        match released {
             Ok(0) => {}
             Ok(n) => tracing::info!(
                 count = n,
@@ -717,7 +728,7 @@ impl Executor {
     /// Retention: drop what ended longer ago than `retention`, and say how much.
     pub async fn prune(&self) {
         let before = now_ms() - self.cfg.retention.as_millis() as i64;
-        match self.queue.prune(before).await {
+        match self.queue.admin().prune(before).await {
             Ok(p) => {
                 for (what, n) in [
                     ("outcomes", p.outcomes),
@@ -821,14 +832,14 @@ pub fn backoff(base: Duration, cap: Duration, attempt: u32) -> Duration {
 mod tests {
     use super::*;
 
-    fn executor(queue: Arc<dyn WorkQueue>, flows: &[(&str, &str)]) -> Arc<Executor> {
+    fn executor(queue: Queue, flows: &[(&str, &str)]) -> Arc<Executor> {
         executor_of(&weir_nodes::Library::builtin(), queue, flows)
     }
 
     /// An executor of `flows`, loaded with the node types of `lib`.
     fn executor_of(
         lib: &weir_nodes::Library,
-        queue: Arc<dyn WorkQueue>,
+        queue: Queue,
         flows: &[(&str, &str)],
     ) -> Arc<Executor> {
         let flows = flows
@@ -861,7 +872,7 @@ mod tests {
             ("counted.yaml", counted),
             ("delayed.yaml", delayed),
         ];
-        let ex = executor(Arc::new(weir_queue::MemoryQueue::new()), &flows);
+        let ex = executor(weir_queue::MemoryQueue::new().into(), &flows);
         assert!(ex.place_for("echo", "h").is_some());
         assert!(ex.place_for("serial", "h").is_none(), "concurrency 1");
         assert!(
@@ -883,7 +894,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_started_wave_dropped_before_its_end_still_ends() {
         const ECHO: &str = "nodes:\n  h: { type: webhook, path: e, respond: wave, to: [f] }\n  f: { type: function, script: 'msg.payload.seen = true; msg', to: [a] }\n  a: { type: http-response }\n";
-        let q = Arc::new(weir_queue::SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let q = Queue::from(weir_queue::SqliteQueue::temporary(Failpoints::new()).unwrap());
         let ex = executor(q.clone(), &[("echo.yaml", ECHO)]);
         let mut ids = Vec::new();
         for polled in [false, true] {
@@ -891,7 +902,12 @@ mod tests {
             let msg = serde_json::json!({ "payload": { "n": 1 } });
             let item = weir_queue::WorkItem::cascade("echo", "h", "t", vec![msg]);
             let id = item.id;
-            let c = q.add_claimed(&ex.cfg.consumer, item).await.unwrap();
+            let c = q
+                .claim_on_add()
+                .unwrap()
+                .add_claimed(&ex.cfg.consumer, item)
+                .await
+                .unwrap();
             let mut wave = ex.start_claimed(place, c.expect("claimed: nothing else is ready"));
             if polled {
                 // Run as a webhook does: as far as its reply, which comes before the commit.
@@ -906,7 +922,7 @@ mod tests {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         for id in ids {
             loop {
-                let state = q.get(id).await.unwrap().expect("journaled").state;
+                let state = q.admin().get(id).await.unwrap().expect("journaled").state;
                 if state.name() == "finished" {
                     break;
                 }
@@ -957,19 +973,24 @@ mod tests {
         const BOOM: &str = "concurrency: 2\nnodes:\n  h: { type: webhook, path: b, respond: wave, to: [b] }\n  b: { type: boom }\n";
         let mut lib = weir_nodes::Library::builtin();
         lib.register(Boom);
-        let q = Arc::new(weir_queue::SqliteQueue::temporary(Failpoints::new()).unwrap());
+        let q = Queue::from(weir_queue::SqliteQueue::temporary(Failpoints::new()).unwrap());
         let ex = executor_of(&lib, q.clone(), &[("boom.yaml", BOOM)]);
         let place = ex.place_for("boom", "h").expect("a place");
         let item = weir_queue::WorkItem::cascade("boom", "h", "t", vec![serde_json::json!({})]);
         let id = item.id;
-        let c = q.add_claimed(&ex.cfg.consumer, item).await.unwrap();
+        let c = q
+            .claim_on_add()
+            .unwrap()
+            .add_claimed(&ex.cfg.consumer, item)
+            .await
+            .unwrap();
         let mut wave = ex.start_claimed(place, c.expect("claimed"));
         let reply = wave.run_until(q.wait_reply(id, Duration::from_millis(300)));
         assert!(reply.await.unwrap().is_none(), "no reply: the wave failed");
         drop(wave);
         let held = [ex.place_for("boom", "h"), ex.place_for("boom", "h")];
         assert!(held.iter().all(Option::is_some), "the place was given back");
-        let state = q.get(id).await.unwrap().expect("journaled").state;
+        let state = q.admin().get(id).await.unwrap().expect("journaled").state;
         assert_eq!(state.name(), "in_flight", "left for redelivery");
     }
 

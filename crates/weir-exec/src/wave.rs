@@ -119,7 +119,7 @@ impl Executor {
                         // engine no longer holds (reclaimed by another engine while this
                         // one stalled, or ended by hand) is not run again here: its new
                         // owner runs it, and a rerun would only repeat side effects.
-                        match self.queue.get(c.item.id).await {
+                        match self.queue.admin().get(c.item.id).await {
                             Ok(Some(v))
                                 if !matches!(&v.state, ItemState::InFlight { consumer, .. } if *consumer == c.consumer) =>
                             {
@@ -172,7 +172,7 @@ impl Executor {
         loop {
             match self.queue.commit(c, fx.clone()).await {
                 Ok(Committed::Conflict) if failed_before => {
-                    return match self.queue.get(c.item.id).await {
+                    return match self.queue.admin().get(c.item.id).await {
                         Ok(Some(v))
                             if v.state.name() != "in_flight" && v.state.name() != "waiting" =>
                         {
@@ -207,7 +207,7 @@ impl Executor {
     async fn prepare_and_run(&self, f: &FlowRt, c: &Claimed, run: usize) -> Outcome {
         let item = &c.item;
         if !c.stepped {
-            match self.queue.is_paused(&item.flow).await {
+            match self.queue.pausing().is_paused(&item.flow).await {
                 Ok(true) => {
                     let end = match self.queue.parked_count(&item.flow).await {
                         Ok(n) if n >= self.cfg.max_parked => {
@@ -348,6 +348,7 @@ impl Executor {
                         &mut overlay,
                         &mut out,
                     )
+                    .with_quotas(self.queue.quotas().map(|q| &**q as _))
                     .with_wires_out(!flow.graph.is_leaf(n));
                     let r = match tokio::time::timeout(
                         self.cfg.node_timeout,

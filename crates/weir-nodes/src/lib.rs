@@ -24,7 +24,7 @@ use std::time::Duration;
 use serde_json::Value;
 use weir_flow::{Pos, Spanned, Yaml};
 use weir_queue::{now_ms, Message, Reply, WorkItem};
-use weir_state::{Overlay, StateKey, StateRead};
+use weir_state::{Overlay, SharedQuotas, StateKey, StateRead};
 
 pub use library::{Library, LoadedFlow, LoadedNode, Retry};
 pub use triggers::Trigger;
@@ -122,6 +122,8 @@ pub struct NodeCx<'a> {
     /// The item whose wave this is.
     pub item: &'a WorkItem,
     store: &'a dyn StateRead,
+    /// Quotas every engine on the backend shares, where it keeps them.
+    quotas: Option<&'a dyn SharedQuotas>,
     overlay: &'a mut Overlay,
     scheduled: &'a mut Vec<WorkItem>,
     replies: &'a mut Vec<Reply>,
@@ -152,6 +154,7 @@ impl<'a> NodeCx<'a> {
             node,
             item,
             store,
+            quotas: None,
             overlay,
             scheduled: &mut out.scheduled,
             replies: &mut out.replies,
@@ -236,9 +239,15 @@ impl<'a> NodeCx<'a> {
             .map_err(|e| NodeError::transient(e.to_string()))
     }
 
+    /// The quotas every engine on the backend shares, for the calls of this context.
+    pub fn with_quotas(mut self, quotas: Option<&'a dyn SharedQuotas>) -> Self {
+        self.quotas = quotas;
+        self
+    }
+
     /// Whether the backend keeps quotas every engine shares (see [`take_quota`](Self::take_quota)).
     pub fn shares_quotas(&self) -> bool {
-        self.store.shares_quotas()
+        self.quotas.is_some()
     }
 
     /// Take up to `want` passes from this node's quota `key`, shared by every engine on the
@@ -250,7 +259,10 @@ impl<'a> NodeCx<'a> {
         burst: u32,
         want: u32,
     ) -> Result<weir_state::Quota, NodeError> {
-        self.store
+        let quotas = self
+            .quotas
+            .ok_or_else(|| NodeError::transient("this backend keeps no shared quotas"))?;
+        quotas
             .take_quota(&self.key(key), every, burst, want)
             .await
             .map_err(|e| NodeError::transient(format!("shared quota: {e}")))

@@ -1,27 +1,26 @@
-//! The conformance suite: every case is written once, against `Arc<dyn WorkQueue>`, and
+//! The conformance suite: every case is written once, against a [`Queue`], and
 //! [`conformance_tests!`](crate::conformance_tests) expands all of them into tests for a
 //! backend, so adding a backend is one line and no backend can skip a case.
 //!
 //! ```ignore
 //! weir_queue::conformance_tests!(|fp| async move {
-//!     std::sync::Arc::new(weir_queue::MemoryQueue::with_limits(1000, fp))
-//!         as std::sync::Arc<dyn weir_queue::WorkQueue>
+//!     weir_queue::Queue::from(weir_queue::MemoryQueue::with_limits(1000, fp))
 //! });
 //! ```
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
 use ulid::Ulid;
 
+use crate::Queue;
 use crate::{
     now_ms, Claimed, Committed, DoneKey, End, Failpoints, ItemState, ListFilter, Reply, StateKey,
-    StateWrite, WaveEffects, WorkItem, WorkQueue,
+    StateWrite, WaveEffects, WorkItem,
 };
 
 /// Expand every conformance case into a `#[tokio::test]` for the backend that `$make` builds
-/// (a closure from [`Failpoints`] to a future of `Arc<dyn WorkQueue>`).
+/// (a closure from [`Failpoints`] to a future of a [`Queue`](crate::Queue)).
 #[macro_export]
 macro_rules! conformance_tests {
     ($make:expr) => {
@@ -34,6 +33,9 @@ macro_rules! conformance_tests {
             idempotency_key_returns_first_id, ticks_are_journaled_once, cancel_by_hand,
             replies_travel_through_the_queue, stats_count_every_state, claim_waits_for_work,
             recover_frees_only_this_consumers_items, prune_removes_only_what_ended_long_ago,
+            release_hands_back_a_stopped_engines_items,
+            clear_flow_drops_only_that_flows_pending_items,
+            shared_quotas_grant_their_burst_then_refuse,
             items_come_back_as_they_were_added, an_item_added_again_is_journaled_once,
             an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it,
             items_claimed_every_way_are_taken_back_from_a_stalled_engine,
@@ -52,7 +54,7 @@ macro_rules! conformance_tests {
     };
 }
 
-type Q = Arc<dyn WorkQueue>;
+type Q = Queue;
 
 fn item(flow: &str, n: i64) -> WorkItem {
     WorkItem::cascade(flow, "in", "test", vec![json!({ "payload": n })])
@@ -74,7 +76,7 @@ pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
     assert_eq!(c[0].item.deliveries, 1, "deliveries bumped at claim");
     assert!(!c[0].stepped);
     // What `weir queue show` prints of it: who holds it, since when, how many deliveries.
-    let v = q.get(id).await.unwrap().unwrap();
+    let v = q.admin().get(id).await.unwrap().unwrap();
     match v.state {
         ItemState::InFlight { consumer, since } => {
             assert_eq!(consumer, "engine a");
@@ -90,7 +92,7 @@ pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
         Committed::Done
     );
     assert!(matches!(
-        q.get(id).await.unwrap().unwrap().state,
+        q.admin().get(id).await.unwrap().unwrap().state,
         ItemState::Finished { .. }
     ));
     assert!(q.claim("a", 10, Duration::ZERO).await.unwrap().is_empty());
@@ -105,27 +107,25 @@ pub async fn add_claim_commit(q: Q, _fp: Failpoints) {
 
 /// `add_claimed` (a `respond: wave` webhook starting its own wave): with nothing ready, the
 /// item comes back claimed for the caller, its delivery counted, and nobody else gets it;
-/// behind a ready item it is journaled ready, and claims take both in journal order. A
-/// backend that cannot claim as it journals journals the item ready every time.
+/// behind a ready item it is journaled ready, and claims take both in journal order.
 pub async fn an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it(
     q: Q,
     _fp: Failpoints,
 ) {
+    let Some(adder) = q.claim_on_add() else {
+        return; // a backend without the ability: the executor journals with `add`.
+    };
     let first = item("f", 1);
     let id = first.id;
-    let got = q.add_claimed("web", first).await.unwrap();
-    let Some(c) = got else {
-        assert!(!q.claims_on_add(), "the backend says it claims on add");
-        let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
-        assert_eq!(c.len(), 1, "journaled ready instead");
-        assert_eq!(c[0].item.id, id);
-        return;
-    };
-    assert!(q.claims_on_add());
+    let c = adder
+        .add_claimed("web", first)
+        .await
+        .unwrap()
+        .expect("nothing ready before it: claimed");
     assert_eq!(c.item.id, id);
     assert_eq!(payload(&c.item), 1);
     assert_eq!((c.consumer.as_str(), c.item.deliveries), ("web", 1));
-    match q.get(id).await.unwrap().unwrap().state {
+    match q.admin().get(id).await.unwrap().unwrap().state {
         ItemState::InFlight { consumer, .. } => assert_eq!(consumer, "web"),
         other => panic!("{other:?}"),
     }
@@ -135,7 +135,11 @@ pub async fn an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_bef
     );
     // Behind a ready item: journaled ready, after it.
     q.add(vec![item("f", 2)]).await.unwrap();
-    assert!(q.add_claimed("web", item("f", 3)).await.unwrap().is_none());
+    assert!(adder
+        .add_claimed("web", item("f", 3))
+        .await
+        .unwrap()
+        .is_none());
     let rest = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(
         rest.iter().map(|x| payload(&x.item)).collect::<Vec<_>>(),
@@ -148,7 +152,11 @@ pub async fn an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_bef
         );
     }
     // Nothing ready again: claimed again.
-    assert!(q.add_claimed("web", item("f", 4)).await.unwrap().is_some());
+    assert!(adder
+        .add_claimed("web", item("f", 4))
+        .await
+        .unwrap()
+        .is_some());
 }
 
 /// An item in flight is taken back from an engine that stalled however it was claimed: by
@@ -162,7 +170,13 @@ pub async fn items_claimed_every_way_are_taken_back_from_a_stalled_engine(q: Q, 
     // Journaled claimed where the backend can (ready otherwise: claimed below).
     let first = item("f", 1);
     ids.push(first.id);
-    let journaled = q.add_claimed("stalled", first).await.unwrap();
+    let journaled = match q.claim_on_add() {
+        Some(adder) => adder.add_claimed("stalled", first).await.unwrap(),
+        None => {
+            q.add(vec![first]).await.unwrap();
+            None
+        }
+    };
     // Taken by a claim.
     let second = item("f", 2);
     ids.push(second.id);
@@ -264,7 +278,7 @@ pub async fn commit_is_all_or_nothing_on_version_conflict(q: Q, _fp: Failpoints)
     };
     assert_eq!(q.commit(&c, fx).await.unwrap(), Committed::Conflict);
     assert_eq!(q.read(&key).await.unwrap().version, 0, "no state change");
-    assert_eq!(q.stats().await.unwrap().ready, 0, "no follow-up");
+    assert_eq!(q.admin().stats().await.unwrap().ready, 0, "no follow-up");
     // The same wave with the version it really read commits, and the version moves.
     let fx = WaveEffects {
         follow_ups: vec![item("f", 2)],
@@ -279,7 +293,7 @@ pub async fn commit_is_all_or_nothing_on_version_conflict(q: Q, _fp: Failpoints)
     let v = q.read(&key).await.unwrap();
     assert_eq!(v.value, Some(json!("x")));
     assert_eq!(v.version, 1);
-    assert_eq!(q.stats().await.unwrap().ready, 1);
+    assert_eq!(q.admin().stats().await.unwrap().ready, 1);
     assert_eq!(q.read_node("f", "n").await.unwrap().len(), 1);
 }
 
@@ -307,7 +321,7 @@ pub async fn guards_are_checked_in_commit(q: Q, _fp: Failpoints) {
         ..WaveEffects::ending(End::Superseded)
     };
     assert_eq!(q.commit(&c[1], fx).await.unwrap(), Committed::Done);
-    assert_eq!(q.stats().await.unwrap().ready, 0);
+    assert_eq!(q.admin().stats().await.unwrap().ready, 0);
 }
 
 pub async fn failed_commit_leaves_nothing_and_item_is_redelivered(q: Q, fp: Failpoints) {
@@ -334,7 +348,7 @@ pub async fn failed_commit_leaves_nothing_and_item_is_redelivered(q: Q, fp: Fail
         q.commit(&c, fx).await.is_err(),
         "the failpoint fails the commit"
     );
-    let s = q.stats().await.unwrap();
+    let s = q.admin().stats().await.unwrap();
     assert_eq!((s.ready, s.delayed), (0, 0), "no follow-up or delayed item");
     assert_eq!(
         q.read(&key).await.unwrap(),
@@ -354,7 +368,7 @@ pub async fn delayed_items_wait_until_due(q: Q, _fp: Failpoints) {
         ..item("f", 1)
     };
     q.add(vec![later, item("f", 2)]).await.unwrap();
-    assert_eq!(q.stats().await.unwrap().delayed, 1);
+    assert_eq!(q.admin().stats().await.unwrap().delayed, 1);
     assert_eq!(q.next_due().await.unwrap(), Some(due));
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(
@@ -373,9 +387,9 @@ pub async fn delayed_items_wait_until_due(q: Q, _fp: Failpoints) {
 }
 
 pub async fn park_unpark_and_step(q: Q, _fp: Failpoints) {
-    q.set_paused("f", true).await.unwrap();
-    assert!(q.is_paused("f").await.unwrap());
-    assert!(!q.is_paused("g").await.unwrap());
+    q.pausing().set_paused("f", true).await.unwrap();
+    assert!(q.pausing().is_paused("f").await.unwrap());
+    assert!(!q.pausing().is_paused("g").await.unwrap());
     q.add((0..4).map(|n| item("f", n)).collect()).await.unwrap();
     for c in q.claim("a", 10, Duration::ZERO).await.unwrap() {
         assert_eq!(
@@ -383,10 +397,10 @@ pub async fn park_unpark_and_step(q: Q, _fp: Failpoints) {
             Committed::Done
         );
     }
-    assert_eq!(q.stats().await.unwrap().parked, 4);
+    assert_eq!(q.admin().stats().await.unwrap().parked, 4);
     assert_eq!(q.parked_count("f").await.unwrap(), 4);
     assert_eq!(q.parked_count("g").await.unwrap(), 0);
-    let stepped = q.unpark_one("f").await.unwrap().unwrap();
+    let stepped = q.pausing().unpark_one("f").await.unwrap().unwrap();
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(c.len(), 1, "step releases exactly one");
     assert_eq!(c[0].item.id, stepped);
@@ -395,15 +409,15 @@ pub async fn park_unpark_and_step(q: Q, _fp: Failpoints) {
     q.commit(&c[0], WaveEffects::ending(End::Ack))
         .await
         .unwrap();
-    q.set_paused("f", false).await.unwrap();
-    assert_eq!(q.unpark("f").await.unwrap(), 3);
+    q.pausing().set_paused("f", false).await.unwrap();
+    assert_eq!(q.pausing().unpark("f").await.unwrap(), 3);
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(
         c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),
         vec![1, 2, 3]
     );
     assert!(c.iter().all(|c| !c.stepped));
-    assert_eq!(q.unpark_one("f").await.unwrap(), None);
+    assert_eq!(q.pausing().unpark_one("f").await.unwrap(), None);
 }
 
 pub async fn park_is_refused_when_flow_not_paused(q: Q, _fp: Failpoints) {
@@ -413,7 +427,7 @@ pub async fn park_is_refused_when_flow_not_paused(q: Q, _fp: Failpoints) {
         q.commit(&c, WaveEffects::ending(End::Park)).await.unwrap(),
         Committed::Conflict
     );
-    assert_eq!(q.stats().await.unwrap().parked, 0);
+    assert_eq!(q.admin().stats().await.unwrap().parked, 0);
 }
 
 pub async fn dead_letters_are_listed_replayed_and_discarded(q: Q, _fp: Failpoints) {
@@ -429,7 +443,7 @@ pub async fn dead_letters_are_listed_replayed_and_discarded(q: Q, _fp: Failpoint
     q.commit(&c[1], WaveEffects::ending(End::DeadLetter("second".into())))
         .await
         .unwrap();
-    let dead = q.dead_letters(10).await.unwrap();
+    let dead = q.admin().dead_letters(10).await.unwrap();
     assert_eq!(dead.len(), 3);
     let reasons: Vec<String> = dead
         .iter()
@@ -440,25 +454,25 @@ pub async fn dead_letters_are_listed_replayed_and_discarded(q: Q, _fp: Failpoint
         .collect();
     assert!(reasons.contains(&"bad input".to_string()));
     assert!(reasons.contains(&"node `x` failed: boom".to_string()));
-    assert_eq!(q.stats().await.unwrap().dead, 3);
-    let new_id = q.replay(c[0].item.id).await.unwrap();
+    assert_eq!(q.admin().stats().await.unwrap().dead, 3);
+    let new_id = q.admin().replay(c[0].item.id).await.unwrap();
     assert_ne!(new_id, c[0].item.id);
     let again = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].item.id, new_id);
     assert_eq!(again[0].item.cause, format!("replay:{}", c[0].item.id));
     assert_eq!(again[0].item.deliveries, 1);
-    q.discard(child_id).await.unwrap();
+    q.admin().discard(child_id).await.unwrap();
     assert!(matches!(
-        q.get(child_id).await.unwrap().unwrap().state,
+        q.admin().get(child_id).await.unwrap().unwrap().state,
         ItemState::Finished { ref outcome, .. } if outcome == "discarded by hand"
     ));
-    assert_eq!(q.stats().await.unwrap().dead, 1);
+    assert_eq!(q.admin().stats().await.unwrap().dead, 1);
     assert!(
-        q.discard(new_id).await.is_err(),
+        q.admin().discard(new_id).await.is_err(),
         "only dead letters are discarded"
     );
-    assert!(q.replay(ulid::Ulid::new()).await.is_err());
+    assert!(q.admin().replay(ulid::Ulid::new()).await.is_err());
 }
 
 pub async fn done_markers_live_until_commit(q: Q, _fp: Failpoints) {
@@ -495,7 +509,7 @@ pub async fn idempotency_key_returns_first_id(q: Q, _fp: Failpoints) {
     let (id2, new2) = q.add_idempotent("order-7", item("f", 2)).await.unwrap();
     assert!(!new2);
     assert_eq!(id2, first.id);
-    assert_eq!(q.stats().await.unwrap().ready, 1);
+    assert_eq!(q.admin().stats().await.unwrap().ready, 1);
 }
 
 pub async fn ticks_are_journaled_once(q: Q, _fp: Failpoints) {
@@ -504,7 +518,7 @@ pub async fn ticks_are_journaled_once(q: Q, _fp: Failpoints) {
     assert!(!q.add_tick(&key, 1000, item("f", 2)).await.unwrap());
     assert!(!q.add_tick(&key, 999, item("f", 3)).await.unwrap());
     assert!(q.add_tick(&key, 2000, item("f", 4)).await.unwrap());
-    assert_eq!(q.stats().await.unwrap().ready, 2);
+    assert_eq!(q.admin().stats().await.unwrap().ready, 2);
     assert_eq!(q.read(&key).await.unwrap().value, Some(json!(2000)));
 }
 
@@ -517,10 +531,10 @@ pub async fn cancel_by_hand(q: Q, _fp: Failpoints) {
     let c = item("f", 3);
     let (ia, ib, ic) = (a.id, b.id, c.id);
     q.add(vec![a, b]).await.unwrap();
-    q.cancel(ia).await.unwrap();
-    q.cancel(ib).await.unwrap();
+    q.admin().cancel(ia).await.unwrap();
+    q.admin().cancel(ib).await.unwrap();
     for (id, n) in [(ia, 1), (ib, 2)] {
-        let v = q.get(id).await.unwrap().unwrap();
+        let v = q.admin().get(id).await.unwrap().unwrap();
         assert!(matches!(
             v.state,
             ItemState::Finished { ref outcome, .. } if outcome == "cancelled by hand"
@@ -531,16 +545,16 @@ pub async fn cancel_by_hand(q: Q, _fp: Failpoints) {
             "a cancelled item still shows what it carried"
         );
     }
-    let s = q.stats().await.unwrap();
+    let s = q.admin().stats().await.unwrap();
     assert_eq!((s.ready, s.delayed), (0, 0));
     q.add(vec![c]).await.unwrap();
     let claimed = q.claim("a", 1, Duration::ZERO).await.unwrap();
     assert_eq!(claimed[0].item.id, ic);
     assert!(
-        q.cancel(ic).await.is_err(),
+        q.admin().cancel(ic).await.is_err(),
         "in-flight items end with their wave"
     );
-    assert!(q.cancel(ulid::Ulid::new()).await.is_err());
+    assert!(q.admin().cancel(ulid::Ulid::new()).await.is_err());
 }
 
 pub async fn replies_travel_through_the_queue(q: Q, _fp: Failpoints) {
@@ -573,7 +587,7 @@ pub async fn replies_travel_through_the_queue(q: Q, _fp: Failpoints) {
 }
 
 pub async fn stats_count_every_state(q: Q, _fp: Failpoints) {
-    q.set_paused("p", true).await.unwrap();
+    q.pausing().set_paused("p", true).await.unwrap();
     q.add(vec![
         item("f", 1),
         item("f", 2),
@@ -596,7 +610,7 @@ pub async fn stats_count_every_state(q: Q, _fp: Failpoints) {
     q.commit(p[0], WaveEffects::ending(End::Park))
         .await
         .unwrap();
-    let s = q.stats().await.unwrap();
+    let s = q.admin().stats().await.unwrap();
     assert_eq!(
         (s.ready, s.in_flight, s.delayed, s.parked, s.dead),
         (0, 1, 1, 1, 1)
@@ -604,6 +618,7 @@ pub async fn stats_count_every_state(q: Q, _fp: Failpoints) {
     assert!(s.oldest_pending_age_ms.is_some());
     assert_eq!(s.durable, q.durable());
     let listed = q
+        .admin()
         .list(ListFilter {
             state: Some("delayed".into()),
             ..Default::default()
@@ -613,6 +628,7 @@ pub async fn stats_count_every_state(q: Q, _fp: Failpoints) {
     assert_eq!(listed.len(), 1);
     assert_eq!(payload(&listed[0].item), 4);
     let parked = q
+        .admin()
         .list(ListFilter {
             flow: Some("p".into()),
             ..Default::default()
@@ -638,16 +654,28 @@ pub async fn claim_waits_for_work(q: Q, _fp: Failpoints) {
     assert!(empty.is_empty());
 }
 
+/// A restarted engine takes back at once what its earlier run left in flight, and only
+/// that. A backend without [`Consumers`](crate::Consumers) does so when it opens (one
+/// engine holds it): there, nothing in flight moves until its time is out.
 pub async fn recover_frees_only_this_consumers_items(q: Q, _fp: Failpoints) {
     q.add(vec![item("f", 1), item("f", 2)]).await.unwrap();
     let mine = q.claim("me", 1, Duration::ZERO).await.unwrap().remove(0);
     let theirs = q.claim("other", 1, Duration::ZERO).await.unwrap().remove(0);
-    let n = q.recover("me").await.unwrap();
-    // A backend that has nothing to recover at start (it did so when it opened) says 0.
-    if n == 0 {
+    let Some(consumers) = q.consumers() else {
+        for (c, who) in [(&mine, "me"), (&theirs, "other")] {
+            match q.admin().get(c.item.id).await.unwrap().unwrap().state {
+                ItemState::InFlight { consumer, .. } => assert_eq!(consumer, who),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(q.reclaim_stale(Duration::from_secs(3600)).await.unwrap(), 0);
         return;
-    }
-    assert_eq!(n, 1, "only the items of `me`");
+    };
+    assert_eq!(
+        consumers.recover("me").await.unwrap(),
+        1,
+        "only the items of `me`"
+    );
     let again = q.claim("me", 10, Duration::ZERO).await.unwrap();
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].item.id, mine.item.id);
@@ -668,6 +696,111 @@ pub async fn recover_frees_only_this_consumers_items(q: Q, _fp: Failpoints) {
     );
 }
 
+/// An engine stopped cleanly hands back what it holds at once: another engine claims it
+/// with its delivery counted, and the stopped engine's late commit is refused.
+pub async fn release_hands_back_a_stopped_engines_items(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1), item("f", 2)]).await.unwrap();
+    let mine = q.claim("me", 1, Duration::ZERO).await.unwrap().remove(0);
+    let theirs = q.claim("other", 1, Duration::ZERO).await.unwrap().remove(0);
+    let Some(consumers) = q.consumers() else {
+        // Without the ability, a stopped engine's items wait for the reclaim (or the
+        // next open): nothing is handed out early.
+        assert!(q
+            .claim("next", 10, Duration::ZERO)
+            .await
+            .unwrap()
+            .is_empty());
+        return;
+    };
+    assert_eq!(consumers.release("me").await.unwrap(), 1);
+    let next = q.claim("next", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(next.len(), 1, "only the stopped engine's item");
+    assert_eq!(next[0].item.id, mine.item.id);
+    assert_eq!(next[0].item.deliveries, 2);
+    assert_eq!(
+        q.commit(&mine, WaveEffects::ending(End::Ack))
+            .await
+            .unwrap(),
+        Committed::Conflict,
+        "the released claim's commit is refused"
+    );
+    for c in [&next[0], &theirs] {
+        assert_eq!(
+            q.commit(c, WaveEffects::ending(End::Ack)).await.unwrap(),
+            Committed::Done
+        );
+    }
+}
+
+/// Clearing a flow drops its waiting, delayed and parked items, counts them, and leaves
+/// what is in flight and every other flow alone.
+pub async fn clear_flow_drops_only_that_flows_pending_items(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1), item("f", 2)]).await.unwrap();
+    let mut later = item("f", 4);
+    later.not_before = Some(now_ms() + 3_600_000);
+    q.add(vec![later]).await.unwrap();
+    let running = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    assert_eq!(payload(&running.item), 1);
+    q.pausing().set_paused("f", true).await.unwrap();
+    let parked = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    assert_eq!(payload(&parked.item), 2);
+    assert_eq!(
+        q.commit(&parked, WaveEffects::ending(End::Park))
+            .await
+            .unwrap(),
+        Committed::Done
+    );
+    q.add(vec![item("g", 3)]).await.unwrap();
+    assert_eq!(
+        q.admin().clear_flow("f").await.unwrap(),
+        2,
+        "the parked and the delayed"
+    );
+    q.pausing().set_paused("f", false).await.unwrap();
+    assert_eq!(q.pausing().unpark("f").await.unwrap(), 0);
+    let left = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        left.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),
+        [3]
+    );
+    assert_eq!(q.next_due().await.unwrap(), None, "no delayed item left");
+    assert_eq!(
+        q.commit(&running, WaveEffects::ending(End::Ack))
+            .await
+            .unwrap(),
+        Committed::Done,
+        "the item in flight was left alone"
+    );
+}
+
+/// A shared quota grants its burst, then refuses until a pass is due, and tells how long;
+/// another key has its own. Backends without the ability keep quotas in each engine.
+pub async fn shared_quotas_grant_their_burst_then_refuse(q: Q, _fp: Failpoints) {
+    let Some(quotas) = q.quotas() else {
+        return;
+    };
+    let key = StateKey::new("f", "limit", "quota/a");
+    let minute = Duration::from_secs(60);
+    let first = quotas.take_quota(&key, minute, 3, 2).await.unwrap();
+    assert_eq!(first.granted, 2);
+    let rest = quotas.take_quota(&key, minute, 3, 5).await.unwrap();
+    assert_eq!(rest.granted, 1, "the burst is 3 in all");
+    assert!(rest.next_in > Duration::ZERO && rest.next_in <= minute);
+    assert_eq!(
+        quotas.take_quota(&key, minute, 3, 1).await.unwrap().granted,
+        0
+    );
+    let other = StateKey::new("f", "limit", "quota/b");
+    assert_eq!(
+        quotas
+            .take_quota(&other, minute, 3, 3)
+            .await
+            .unwrap()
+            .granted,
+        3
+    );
+}
+
 pub async fn prune_removes_only_what_ended_long_ago(q: Q, _fp: Failpoints) {
     let items: Vec<WorkItem> = (0..5).map(|n| item("f", n)).collect();
     let ids: Vec<_> = items.iter().map(|i| i.id).collect();
@@ -681,27 +814,27 @@ pub async fn prune_removes_only_what_ended_long_ago(q: Q, _fp: Failpoints) {
         .unwrap();
     // c[2] stays in flight, ids[3] and ids[4] stay waiting.
     assert_eq!(
-        q.prune(now_ms() - 60_000).await.unwrap(),
+        q.admin().prune(now_ms() - 60_000).await.unwrap(),
         Default::default(),
         "nothing that old"
     );
-    let p = q.prune(now_ms() + 1).await.unwrap();
+    let p = q.admin().prune(now_ms() + 1).await.unwrap();
     assert_eq!((p.outcomes, p.dead), (1, 1), "{p:?}");
     assert!(
-        q.get(ids[0]).await.unwrap().is_none(),
+        q.admin().get(ids[0]).await.unwrap().is_none(),
         "the outcome is gone"
     );
     assert!(
-        q.get(ids[1]).await.unwrap().is_none(),
+        q.admin().get(ids[1]).await.unwrap().is_none(),
         "the dead letter is gone"
     );
-    assert_eq!(q.stats().await.unwrap().dead, 0);
+    assert_eq!(q.admin().stats().await.unwrap().dead, 0);
     assert_eq!(
-        q.get(ids[2]).await.unwrap().unwrap().state.name(),
+        q.admin().get(ids[2]).await.unwrap().unwrap().state.name(),
         "in_flight"
     );
     assert_eq!(
-        q.get(ids[3]).await.unwrap().unwrap().state.name(),
+        q.admin().get(ids[3]).await.unwrap().unwrap().state.name(),
         "waiting"
     );
     assert_eq!(
@@ -738,21 +871,21 @@ pub async fn items_come_back_as_they_were_added(q: Q, _fp: Failpoints) {
         ..it.clone()
     };
     assert_eq!(c[0].item, want, "claimed as added, one delivery counted");
-    assert_eq!(q.get(it.id).await.unwrap().unwrap().item, want);
+    assert_eq!(q.admin().get(it.id).await.unwrap().unwrap().item, want);
     // Finished, it is still shown as it was.
     let r = q
         .commit(&c[0], WaveEffects::ending(End::Ack))
         .await
         .unwrap();
     assert_eq!(r, Committed::Done);
-    let done = q.get(it.id).await.unwrap().unwrap();
+    let done = q.admin().get(it.id).await.unwrap().unwrap();
     assert!(matches!(done.state, ItemState::Finished { .. }), "{done:?}");
     assert_eq!(done.item, want, "a finished item keeps what it carried");
     // A delayed one shows when it is due.
     let mut later = unusual_item("f");
     later.not_before = Some(now_ms() + 60_000);
     q.add(vec![later.clone()]).await.unwrap();
-    assert_eq!(q.get(later.id).await.unwrap().unwrap().item, later);
+    assert_eq!(q.admin().get(later.id).await.unwrap().unwrap().item, later);
 }
 
 /// An add whose answer was lost is retried with the same items: each is journaled once,
@@ -775,7 +908,7 @@ pub async fn an_item_added_again_is_journaled_once(q: Q, _fp: Failpoints) {
     // Added again while in flight, and again once finished: nothing new to claim.
     q.add(vec![first.clone()]).await.unwrap();
     assert_eq!(
-        q.get(first.id).await.unwrap().unwrap().state.name(),
+        q.admin().get(first.id).await.unwrap().unwrap().state.name(),
         "in_flight"
     );
     for c in &c {
@@ -785,10 +918,10 @@ pub async fn an_item_added_again_is_journaled_once(q: Q, _fp: Failpoints) {
     q.add(vec![first.clone(), twice.clone()]).await.unwrap();
     assert!(q.claim("a", 10, Duration::ZERO).await.unwrap().is_empty());
     assert!(matches!(
-        q.get(first.id).await.unwrap().unwrap().state,
+        q.admin().get(first.id).await.unwrap().unwrap().state,
         ItemState::Finished { .. }
     ));
-    assert_eq!(q.stats().await.unwrap().ready, 0);
+    assert_eq!(q.admin().stats().await.unwrap().ready, 0);
 }
 
 /// `list` pages through every item once, in the order of their ids, `after` the last id of
@@ -816,6 +949,7 @@ pub async fn list_pages_through_every_item_in_id_order(q: Q, _fp: Failpoints) {
             let mut after = None;
             for _ in 0..100 {
                 let page = q
+                    .admin()
                     .list(ListFilter {
                         state: state.map(String::from),
                         after,

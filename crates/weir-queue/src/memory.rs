@@ -278,10 +278,6 @@ impl StateRead for MemoryQueue {
 
 #[async_trait::async_trait]
 impl WorkQueue for MemoryQueue {
-    fn durable(&self) -> bool {
-        false
-    }
-
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let now = now_ms();
         {
@@ -295,42 +291,6 @@ impl WorkQueue for MemoryQueue {
         }
         self.ready.notify_waiters();
         Ok(())
-    }
-
-    fn claims_on_add(&self) -> bool {
-        true
-    }
-
-    async fn add_claimed(
-        &self,
-        consumer: &str,
-        item: WorkItem,
-    ) -> Result<Option<Claimed>, QueueError> {
-        let now = now_ms();
-        let id = item.id;
-        let claimed = {
-            let mut g = self.lock();
-            if g.ready.len() >= self.max_ready {
-                return Err(QueueError::Full(g.ready.len()));
-            }
-            // Only when nothing else is ready: it passes nothing in the ready order.
-            let first = g.ready.is_empty() && !g.entries.contains_key(&id);
-            g.insert(item, now);
-            match first {
-                true => match g.entries.get(&id).map(|e| (e.seq, &e.st)) {
-                    Some((seq, St::Ready)) => {
-                        g.ready.remove(&seq);
-                        g.take(id, consumer, now)
-                    }
-                    _ => None,
-                },
-                false => None,
-            }
-        };
-        if claimed.is_none() {
-            self.ready.notify_waiters();
-        }
-        Ok(claimed)
     }
 
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
@@ -490,6 +450,92 @@ impl WorkQueue for MemoryQueue {
         Ok(n)
     }
 
+    async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
+        let mut n = 0;
+        {
+            let mut g = self.lock();
+            while let Some(&(t, seq, id)) = g.delayed.first() {
+                if t > now {
+                    break;
+                }
+                g.delayed.remove(&(t, seq, id));
+                g.seq += 1;
+                let new_seq = g.seq;
+                if let Some(e) = g.entries.get_mut(&id) {
+                    e.seq = new_seq;
+                    e.item.not_before = None;
+                    e.st = St::Ready;
+                    g.ready.insert(new_seq, id);
+                    n += 1;
+                }
+            }
+        }
+        if n > 0 {
+            self.ready.notify_waiters();
+        }
+        Ok(n)
+    }
+
+    async fn next_due(&self) -> Result<Option<i64>, QueueError> {
+        Ok(self.lock().delayed.first().map(|(t, _, _)| *t))
+    }
+
+    async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
+        self.lock().done.insert(key, outputs);
+        Ok(())
+    }
+
+    async fn was_done(&self, key: &DoneKey) -> Result<Option<Vec<Vec<Message>>>, QueueError> {
+        Ok(self.lock().done.get(key).cloned())
+    }
+
+    async fn post_reply(&self, id: Ulid, reply: Reply) -> Result<(), QueueError> {
+        self.replies.post(id, reply);
+        Ok(())
+    }
+
+    async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
+        Ok(self.replies.wait(id, wait).await)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::ClaimOnAdd for MemoryQueue {
+    async fn add_claimed(
+        &self,
+        consumer: &str,
+        item: WorkItem,
+    ) -> Result<Option<Claimed>, QueueError> {
+        let now = now_ms();
+        let id = item.id;
+        let claimed = {
+            let mut g = self.lock();
+            if g.ready.len() >= self.max_ready {
+                return Err(QueueError::Full(g.ready.len()));
+            }
+            // Only when nothing else is ready: it passes nothing in the ready order.
+            let first = g.ready.is_empty() && !g.entries.contains_key(&id);
+            g.insert(item, now);
+            match first {
+                true => match g.entries.get(&id).map(|e| (e.seq, &e.st)) {
+                    Some((seq, St::Ready)) => {
+                        g.ready.remove(&seq);
+                        g.take(id, consumer, now)
+                    }
+                    _ => None,
+                },
+                false => None,
+            }
+        };
+        if claimed.is_none() {
+            self.ready.notify_waiters();
+        }
+        Ok(claimed)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::Admin for MemoryQueue {
     async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
         let mut g = self.lock();
         let mut p = crate::Pruned::default();
@@ -534,88 +580,6 @@ impl WorkQueue for MemoryQueue {
         Ok(p)
     }
 
-    async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
-        let mut n = 0;
-        {
-            let mut g = self.lock();
-            while let Some(&(t, seq, id)) = g.delayed.first() {
-                if t > now {
-                    break;
-                }
-                g.delayed.remove(&(t, seq, id));
-                g.seq += 1;
-                let new_seq = g.seq;
-                if let Some(e) = g.entries.get_mut(&id) {
-                    e.seq = new_seq;
-                    e.item.not_before = None;
-                    e.st = St::Ready;
-                    g.ready.insert(new_seq, id);
-                    n += 1;
-                }
-            }
-        }
-        if n > 0 {
-            self.ready.notify_waiters();
-        }
-        Ok(n)
-    }
-
-    async fn next_due(&self) -> Result<Option<i64>, QueueError> {
-        Ok(self.lock().delayed.first().map(|(t, _, _)| *t))
-    }
-
-    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
-        let mut g = self.lock();
-        if paused {
-            g.paused.insert(flow.to_string());
-        } else {
-            g.paused.remove(flow);
-        }
-        Ok(())
-    }
-
-    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
-        Ok(self.lock().paused.contains(flow))
-    }
-
-    async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
-        Ok(self.lock().parked.get(flow).map(BTreeMap::len).unwrap_or(0))
-    }
-
-    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
-        let n = {
-            let mut g = self.lock();
-            let parked = g.parked.remove(flow).unwrap_or_default();
-            let n = parked.len();
-            for (seq, id) in parked {
-                if let Some(e) = g.entries.get_mut(&id) {
-                    e.st = St::Ready;
-                    g.ready.insert(seq, id);
-                }
-            }
-            n
-        };
-        self.ready.notify_waiters();
-        Ok(n)
-    }
-
-    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
-        let id = {
-            let mut g = self.lock();
-            let Some((seq, id)) = g.parked.get_mut(flow).and_then(|p| p.pop_first()) else {
-                return Ok(None);
-            };
-            if let Some(e) = g.entries.get_mut(&id) {
-                e.st = St::Ready;
-            }
-            g.ready.insert(seq, id);
-            g.permits.insert(id);
-            id
-        };
-        self.ready.notify_waiters();
-        Ok(Some(id))
-    }
-
     async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
         let mut g = self.lock();
         let ids: Vec<Ulid> = g
@@ -629,24 +593,6 @@ impl WorkQueue for MemoryQueue {
             g.finish(*id, "cleared with its flow".into(), now);
         }
         Ok(ids.len())
-    }
-
-    async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
-        self.lock().done.insert(key, outputs);
-        Ok(())
-    }
-
-    async fn was_done(&self, key: &DoneKey) -> Result<Option<Vec<Vec<Message>>>, QueueError> {
-        Ok(self.lock().done.get(key).cloned())
-    }
-
-    async fn post_reply(&self, id: Ulid, reply: Reply) -> Result<(), QueueError> {
-        self.replies.post(id, reply);
-        Ok(())
-    }
-
-    async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
-        Ok(self.replies.wait(id, wait).await)
     }
 
     async fn stats(&self) -> Result<Stats, QueueError> {
@@ -757,5 +703,63 @@ impl WorkQueue for MemoryQueue {
                 "item {id} is not a dead letter"
             ))),
         }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::Pausing for MemoryQueue {
+    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
+        let mut g = self.lock();
+        if paused {
+            g.paused.insert(flow.to_string());
+        } else {
+            g.paused.remove(flow);
+        }
+        Ok(())
+    }
+
+    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
+        Ok(self.lock().paused.contains(flow))
+    }
+
+    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
+        let n = {
+            let mut g = self.lock();
+            let parked = g.parked.remove(flow).unwrap_or_default();
+            let n = parked.len();
+            for (seq, id) in parked {
+                if let Some(e) = g.entries.get_mut(&id) {
+                    e.st = St::Ready;
+                    g.ready.insert(seq, id);
+                }
+            }
+            n
+        };
+        self.ready.notify_waiters();
+        Ok(n)
+    }
+
+    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
+        let id = {
+            let mut g = self.lock();
+            let Some((seq, id)) = g.parked.get_mut(flow).and_then(|p| p.pop_first()) else {
+                return Ok(None);
+            };
+            if let Some(e) = g.entries.get_mut(&id) {
+                e.st = St::Ready;
+            }
+            g.ready.insert(seq, id);
+            g.permits.insert(id);
+            id
+        };
+        self.ready.notify_waiters();
+        Ok(Some(id))
+    }
+}
+
+impl From<MemoryQueue> for crate::Queue {
+    fn from(q: MemoryQueue) -> Self {
+        let q = std::sync::Arc::new(q);
+        crate::Queue::new(q.clone(), false).with_claim_on_add(q)
     }
 }

@@ -1,7 +1,4 @@
 //! Every conformance case against the memory backend.
-use std::sync::Arc;
-use weir_queue::{MemoryQueue, WorkQueue};
+use weir_queue::{MemoryQueue, Queue};
 
-weir_queue::conformance_tests!(|fp| async move {
-    Arc::new(MemoryQueue::with_limits(1000, fp)) as Arc<dyn WorkQueue>
-});
+weir_queue::conformance_tests!(|fp| async move { Queue::from(MemoryQueue::with_limits(1000, fp)) });

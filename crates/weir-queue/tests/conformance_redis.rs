@@ -1,14 +1,13 @@
 //! Every conformance case against the Redis backend, each on its own redis-server.
-use std::sync::Arc;
 use weir_queue::testing::RedisServer;
-use weir_queue::{RedisOptions, RedisQueue, WorkQueue};
+use weir_queue::{Queue, RedisOptions, RedisQueue};
 
 weir_queue::conformance_tests!(|fp| async move {
     let server = RedisServer::start();
     let q = RedisQueue::connect(&server.url(), RedisOptions::default(), fp)
         .await
         .expect("connect to the test's redis-server");
-    Arc::new(q.keeping(server)) as Arc<dyn WorkQueue>
+    Queue::from(q.keeping(server))
 });
 
 /// The same cases with the keys spread over three shards.
@@ -23,7 +22,7 @@ mod sharded {
         let q = RedisQueue::connect(&server.url(), opts, fp)
             .await
             .expect("connect to the test's redis-server");
-        Arc::new(q.keeping(server)) as Arc<dyn WorkQueue>
+        Queue::from(q.keeping(server))
     });
 }
 
@@ -41,6 +40,6 @@ mod cluster {
         let q = RedisQueue::connect(&cluster.url(), opts, fp)
             .await
             .expect("connect to the test's Redis Cluster");
-        Arc::new(q.keeping(cluster)) as Arc<dyn WorkQueue>
+        Queue::from(q.keeping(cluster))
     });
 }

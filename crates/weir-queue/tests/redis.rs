@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::json;
 use weir_queue::testing::{RedisCluster, RedisServer};
 use weir_queue::{
-    End, Failpoints, ItemState, RedisOptions, RedisQueue, WaveEffects, WorkItem, WorkQueue,
+    Admin, End, Failpoints, ItemState, RedisOptions, RedisQueue, WaveEffects, WorkItem, WorkQueue,
 };
 
 fn item(n: i64) -> WorkItem {
@@ -64,9 +64,10 @@ async fn dead_letters_past_the_cap_are_evicted_visibly() {
             .await
             .unwrap();
     }
-    let s = q.stats().await.unwrap();
+    let s = q.admin().stats().await.unwrap();
     assert_eq!((s.dead, s.dead_evicted), (3, 2), "{s:?}");
     let kept: Vec<_> = q
+        .admin()
         .dead_letters(10)
         .await
         .unwrap()
@@ -78,7 +79,7 @@ async fn dead_letters_past_the_cap_are_evicted_visibly() {
         vec![ids[4], ids[3], ids[2]],
         "the newest are kept, newest first"
     );
-    match q.get(ids[0]).await.unwrap().unwrap().state {
+    match q.admin().get(ids[0]).await.unwrap().unwrap().state {
         ItemState::Finished { outcome, .. } => {
             assert!(
                 outcome.contains("evicted from the dead letters"),

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use weir_queue::{Failpoints, QueueError, SqliteQueue, WorkItem, WorkQueue};
+use weir_queue::{
+    Admin, ClaimsWait, Closing, Failpoints, QueueError, SqliteQueue, WorkItem, WorkQueue,
+};
 
 fn item(n: i64) -> WorkItem {
     WorkItem::cascade("f", "in", "test", vec![json!({ "payload": n })])
@@ -33,7 +35,7 @@ async fn a_second_engine_on_the_same_file_is_refused() {
 async fn a_closed_queue_frees_its_file_while_something_still_holds_it() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("queue.db");
-    let q: Arc<dyn WorkQueue> = Arc::new(SqliteQueue::open(&path, Failpoints::new()).unwrap());
+    let q = Arc::new(SqliteQueue::open(&path, Failpoints::new()).unwrap());
     let held = q.clone();
     q.add(vec![item(0)])
         .await

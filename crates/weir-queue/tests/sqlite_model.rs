@@ -10,7 +10,8 @@ use proptest::prelude::*;
 use serde_json::json;
 use ulid::Ulid;
 use weir_queue::{
-    Claimed, Committed, End, Failpoints, SqliteQueue, WaveEffects, WorkItem, WorkQueue,
+    Admin, Claimed, Committed, End, Failpoints, Pausing, SqliteQueue, WaveEffects, WorkItem,
+    WorkQueue,
 };
 
 #[derive(Debug, Clone)]

@@ -59,14 +59,13 @@ pub trait StateRead: Send + Sync {
         flow: &str,
         node: &str,
     ) -> Result<Vec<(String, Versioned)>, StateError>;
+}
 
-    /// Whether every engine on this backend can share a quota through it
-    /// ([`take_quota`](Self::take_quota)). `false` where one engine holds the backend: a
-    /// quota kept in that engine's memory is already the only one.
-    fn shares_quotas(&self) -> bool {
-        false
-    }
-
+/// Quotas every engine on one backend shares (Redis): a rate limit with `scope: cluster`
+/// holds across engines. A backend one engine holds has none: a quota kept in that engine's
+/// memory is already the only one.
+#[async_trait::async_trait]
+pub trait SharedQuotas: Send + Sync {
     /// Take up to `want` passes from the quota `key` (one pass every `every`, bursts of
     /// `burst`), shared by every engine on this backend, measured by the backend's clock.
     /// Returns how many were granted and, when fewer than `want`, how long until the next.
@@ -77,13 +76,10 @@ pub trait StateRead: Send + Sync {
         every: std::time::Duration,
         burst: u32,
         want: u32,
-    ) -> Result<Quota, StateError> {
-        let _ = (key, every, burst, want);
-        Err(StateError("this backend keeps no shared quotas".into()))
-    }
+    ) -> Result<Quota, StateError>;
 }
 
-/// What [`StateRead::take_quota`] granted.
+/// What [`SharedQuotas::take_quota`] granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quota {
     pub granted: u32,

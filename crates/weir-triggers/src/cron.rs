@@ -1,7 +1,6 @@
 //! Cron: one task per cron node; each tick is journaled as one cascade item, claimed through
 //! the queue (`add_tick`) so that a tick is journaled once however many engines fire it.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{TimeZone, Utc};
@@ -10,17 +9,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use weir_exec::Flows;
 use weir_nodes::triggers::{CronSpec, Trigger};
-use weir_queue::{StateKey, WorkItem, WorkQueue};
+use weir_queue::{Queue, StateKey, WorkItem, WorkQueue};
 
 const LAST_TICK: &str = "last_tick";
 
 /// Start a task for every cron node of `flows`.
-pub fn spawn_all(
-    queue: Arc<dyn WorkQueue>,
-    flows: &Flows,
-    tracker: &TaskTracker,
-    shutdown: CancellationToken,
-) {
+pub fn spawn_all(queue: Queue, flows: &Flows, tracker: &TaskTracker, shutdown: CancellationToken) {
     for f in flows.all() {
         for (node, t) in f.flow.triggers() {
             if let Trigger::Cron(spec) = t {
@@ -88,13 +82,7 @@ async fn journal(
     }
 }
 
-async fn run(
-    q: Arc<dyn WorkQueue>,
-    flow: String,
-    node: String,
-    spec: CronSpec,
-    stop: CancellationToken,
-) {
+async fn run(q: Queue, flow: String, node: String, spec: CronSpec, stop: CancellationToken) {
     let tz = spec.timezone;
     if spec.catch_up_last {
         let key = StateKey::new(&flow, &node, LAST_TICK);

@@ -16,8 +16,6 @@
 //! - **Several engines** on one broker subscribe as `$share/GROUP/FILTER` (`share=GROUP`), so
 //!   each message is journaled by one of them.
 
-use std::sync::Arc;
-
 use rumqttc::{AsyncClient, Event, Packet, Publish, QoS, SubscribeReasonCode};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -25,7 +23,7 @@ use tokio_util::task::TaskTracker;
 use weir_exec::Flows;
 use weir_nodes::mqtt::{message, reconnect_delay, MqttHub};
 use weir_nodes::triggers::Trigger;
-use weir_queue::{WorkItem, WorkQueue};
+use weir_queue::{Queue, WorkItem};
 
 use crate::webhook::Intake;
 
@@ -42,7 +40,7 @@ const MAX_BATCH: usize = 512;
 /// Subscribe for every `mqtt-in` node of `flows`: one connection per distinct filter and
 /// broker. Fails (starting nothing) when a node names a broker the hub does not know.
 pub fn spawn_all(
-    queue: Arc<dyn WorkQueue>,
+    queue: Queue,
     flows: &Flows,
     hub: &MqttHub,
     intake: Intake,
@@ -190,7 +188,7 @@ async fn read(
 
 /// Journal what has arrived, then ack it, in arrival order.
 async fn journal(
-    queue: Arc<dyn WorkQueue>,
+    queue: Queue,
     client: AsyncClient,
     mut rx: mpsc::UnboundedReceiver<Publish>,
     routes: Vec<Route>,

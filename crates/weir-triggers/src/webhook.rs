@@ -17,7 +17,7 @@ use sha2::Sha256;
 use subtle::ConstantTimeEq;
 use weir_exec::{Executor, Flows};
 use weir_nodes::triggers::{Auth, Trigger, WebhookSpec};
-use weir_queue::{QueueError, WorkItem, WorkQueue};
+use weir_queue::{Queue, QueueError, WorkItem};
 
 /// Whether triggers still take new events (off during shutdown: webhooks answer 503).
 #[derive(Clone, Default)]
@@ -81,7 +81,7 @@ impl Routes {
 
 #[derive(Clone)]
 struct Hooks {
-    queue: Arc<dyn WorkQueue>,
+    queue: Queue,
     routes: Routes,
     intake: Intake,
     /// The engine's executor, when requests may start their own waves.
@@ -93,7 +93,7 @@ struct Hooks {
 /// ([`Executor::place_for`]), not after a claim: a `respond: wave` request runs it in its own
 /// task as far as the reply, an accepted one hands it to a task of its own.
 pub fn router(
-    queue: Arc<dyn WorkQueue>,
+    queue: Queue,
     flows: &Flows,
     intake: Intake,
     exec: Option<Arc<Executor>>,
@@ -208,15 +208,14 @@ async fn accept(
             let key = format!("{}:{}:{key}", hook.flow, hook.node);
             s.queue.add_idempotent(&key, item).await.map(|(id, _)| id)
         }
-        None => match s
-            .exec
-            .as_ref()
-            .and_then(|ex| Some((ex, ex.place_for(&hook.flow, &hook.node)?)))
-        {
+        None => match s.exec.as_ref().and_then(|ex| {
+            let adder = s.queue.claim_on_add()?;
+            Some((ex, ex.place_for(&hook.flow, &hook.node)?, adder))
+        }) {
             // Journaled claimed, the wave starts here: it does not wait for the executor to
             // be handed the item and to start it (a wake-up of the executor's task and a
             // claim's answer less: about 8 % of an accepted event's instructions).
-            Some((ex, place)) => s.queue.add_claimed(&ex.cfg.consumer, item).await.map(|c| {
+            Some((ex, place, adder)) => adder.add_claimed(&ex.cfg.consumer, item).await.map(|c| {
                 wave = c.map(|c| ex.start_claimed(place, c));
                 id
             }),

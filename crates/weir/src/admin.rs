@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::json;
 use ulid::Ulid;
 use weir_exec::Flows;
-use weir_queue::{ListFilter, QueueError, WorkQueue};
+use weir_queue::{ListFilter, Queue, QueueError};
 
 use crate::dashboard::{self, Sessions};
 
@@ -24,7 +24,7 @@ pub trait Reload: Send + Sync {
 
 #[derive(Clone)]
 struct Admin {
-    queue: Arc<dyn WorkQueue>,
+    queue: Queue,
     flows: Arc<Flows>,
     reload: Arc<dyn Reload>,
     token: Option<Arc<String>>,
@@ -36,7 +36,7 @@ struct Admin {
 /// its CSRF token); 401 otherwise. `/healthz`, `/readyz`, the dashboard's login form and
 /// its script and style stay open.
 pub fn router(
-    queue: Arc<dyn WorkQueue>,
+    queue: Queue,
     flows: Arc<Flows>,
     token: Option<String>,
     reload: Arc<dyn Reload>,
@@ -138,7 +138,7 @@ async fn prometheus(State(a): State<Admin>) -> Response {
         Ok(h) => h,
         Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
     };
-    if let Ok(s) = a.queue.stats().await {
+    if let Ok(s) = a.queue.admin().stats().await {
         for (state, n) in [
             ("ready", s.ready),
             ("in_flight", s.in_flight),
@@ -197,7 +197,7 @@ async fn run_status(State(a): State<Admin>, Path(id): Path<String>) -> Response 
         Ok(i) => i,
         Err(r) => return r,
     };
-    let item = match a.queue.get(ulid).await {
+    let item = match a.queue.admin().get(ulid).await {
         Ok(v) => v,
         Err(e) => return err(e),
     };
@@ -256,7 +256,7 @@ async fn reload_flows(State(a): State<Admin>) -> Response {
 
 /// Ready when the queue backend answers.
 async fn ready(State(a): State<Admin>) -> Response {
-    match a.queue.stats().await {
+    match a.queue.admin().stats().await {
         Ok(_) => (StatusCode::OK, "ready").into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}")).into_response(),
     }
@@ -282,7 +282,7 @@ fn parse_id(id: &str) -> Result<Ulid, Response> {
 }
 
 async fn stats(State(a): State<Admin>) -> Response {
-    match a.queue.stats().await {
+    match a.queue.admin().stats().await {
         Ok(s) => Json(s).into_response(),
         Err(e) => err(e),
     }
@@ -293,7 +293,7 @@ async fn item(State(a): State<Admin>, Path(id): Path<String>) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
-    match a.queue.get(id).await {
+    match a.queue.admin().get(id).await {
         Ok(Some(v)) => Json(v).into_response(),
         Ok(None) => err(QueueError::NotFound(id)),
         Err(e) => err(e),
@@ -319,7 +319,7 @@ async fn list(State(a): State<Admin>, Query(q): Query<ListQuery>) -> Response {
         after,
         limit: q.limit.unwrap_or(100).min(1000),
     };
-    match a.queue.list(filter).await {
+    match a.queue.admin().list(filter).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => err(e),
     }
@@ -330,7 +330,7 @@ async fn cancel(State(a): State<Admin>, Path(id): Path<String>) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
-    match a.queue.cancel(id).await {
+    match a.queue.admin().cancel(id).await {
         Ok(()) => Json(json!({ "cancelled": id.to_string() })).into_response(),
         Err(e) => err(e),
     }
@@ -342,7 +342,12 @@ struct DeadQuery {
 }
 
 async fn dead(State(a): State<Admin>, Query(q): Query<DeadQuery>) -> Response {
-    match a.queue.dead_letters(q.limit.unwrap_or(100).min(1000)).await {
+    match a
+        .queue
+        .admin()
+        .dead_letters(q.limit.unwrap_or(100).min(1000))
+        .await
+    {
         Ok(v) => Json(v).into_response(),
         Err(e) => err(e),
     }
@@ -366,7 +371,7 @@ async fn chosen(a: &Admin, b: &Bulk) -> Result<Vec<ulid::Ulid>, Response> {
             "say which dead letters: flow=…, reason=… or all=true".into()
         ));
     }
-    let list = a.queue.dead_letters(10_000).await.map_err(err)?;
+    let list = a.queue.admin().dead_letters(10_000).await.map_err(err)?;
     Ok(list
         .into_iter()
         .filter(|v| b.flow.as_ref().is_none_or(|f| *f == v.item.flow))
@@ -388,7 +393,7 @@ async fn replay_many(State(a): State<Admin>, Query(b): Query<Bulk>) -> Response 
     };
     let mut replayed = Vec::new();
     for id in ids {
-        match a.queue.replay(id).await {
+        match a.queue.admin().replay(id).await {
             Ok(new_id) => {
                 replayed.push(json!({ "id": new_id.to_string(), "replayed": id.to_string() }))
             }
@@ -406,7 +411,7 @@ async fn discard_many(State(a): State<Admin>, Query(b): Query<Bulk>) -> Response
     };
     let mut n = 0;
     for id in ids {
-        match a.queue.discard(id).await {
+        match a.queue.admin().discard(id).await {
             Ok(()) => n += 1,
             Err(QueueError::NotFound(_)) | Err(QueueError::Conflict(_)) => {}
             Err(e) => return err(e),
@@ -428,7 +433,7 @@ async fn outcomes(State(a): State<Admin>, Query(q): Query<ListQuery>) -> Respons
         after,
         limit: q.limit.unwrap_or(100).min(1000),
     };
-    match a.queue.list(filter).await {
+    match a.queue.admin().list(filter).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => err(e),
     }
@@ -439,7 +444,7 @@ async fn discard(State(a): State<Admin>, Path(id): Path<String>) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
-    match a.queue.discard(id).await {
+    match a.queue.admin().discard(id).await {
         Ok(()) => Json(json!({ "discarded": id.to_string() })).into_response(),
         Err(e) => err(e),
     }
@@ -450,7 +455,7 @@ async fn replay(State(a): State<Admin>, Path(id): Path<String>) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
-    match a.queue.replay(id).await {
+    match a.queue.admin().replay(id).await {
         Ok(new_id) => {
             Json(json!({ "id": new_id.to_string(), "replayed": id.to_string() })).into_response()
         }
@@ -461,7 +466,7 @@ async fn replay(State(a): State<Admin>, Path(id): Path<String>) -> Response {
 async fn flows_ls(State(a): State<Admin>) -> Response {
     let mut out = Vec::new();
     for f in a.flows.all() {
-        let paused = match a.queue.is_paused(&f.flow.id).await {
+        let paused = match a.queue.pausing().is_paused(&f.flow.id).await {
             Ok(p) => p,
             Err(e) => return err(e),
         };
@@ -487,12 +492,14 @@ async fn flow_action(
     let r = match action.as_str() {
         "pause" => a
             .queue
+            .pausing()
             .set_paused(&id, true)
             .await
             .map(|_| json!({ "flow": id, "paused": true })),
-        "resume" => match a.queue.set_paused(&id, false).await {
+        "resume" => match a.queue.pausing().set_paused(&id, false).await {
             Ok(()) => a
                 .queue
+                .pausing()
                 .unpark(&id)
                 .await
                 .map(|n| json!({ "flow": id, "paused": false, "released": n })),
@@ -500,6 +507,7 @@ async fn flow_action(
         },
         "step" => a
             .queue
+            .pausing()
             .unpark_one(&id)
             .await
             .map(|stepped| json!({ "flow": id, "stepped": stepped.map(|s| s.to_string()) })),
@@ -542,7 +550,7 @@ async fn flow_nodes(State(a): State<Admin>, Path(id): Path<String>) -> Response 
     let Some(f) = a.flows.get(&id) else {
         return no_flow(&id);
     };
-    Json(dashboard::node_figures(&*a.queue, &f).await).into_response()
+    Json(dashboard::node_figures(&a.queue, &f).await).into_response()
 }
 
 /// `GET /api/flows/{id}/graph.svg`: the flow drawn, with each node's figures.
@@ -550,7 +558,7 @@ async fn flow_graph(State(a): State<Admin>, Path(id): Path<String>) -> Response 
     let Some(f) = a.flows.get(&id) else {
         return no_flow(&id);
     };
-    let figures = dashboard::node_figures(&*a.queue, &f).await;
+    let figures = dashboard::node_figures(&a.queue, &f).await;
     (
         [
             (axum::http::header::CONTENT_TYPE, "image/svg+xml"),

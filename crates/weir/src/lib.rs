@@ -37,7 +37,7 @@ pub use weir_nodes::{
     config, Built, ConfigError, Emit, Library, LoadedFlow, Node, NodeCx, NodeError, NodeFactory,
     Wires,
 };
-pub use weir_queue::{self as queue, Failpoints, MemoryQueue, Message, WorkQueue};
+pub use weir_queue::{self as queue, Failpoints, MemoryQueue, Message, Queue, WorkQueue};
 
 /// Why an engine could not be built or started. Each message is whole on its own: the
 /// wrapped errors are shown through (`transparent`), not again as a cause, so a chain
@@ -59,7 +59,7 @@ pub enum EngineError {
 
 /// The queue the engine runs on: one given by the embedder, or one a URL names.
 enum QueueChoice {
-    Given(Arc<dyn WorkQueue>),
+    Given(Queue),
     Url(String),
 }
 
@@ -109,8 +109,8 @@ impl EngineBuilder {
     }
 
     /// Run on this queue. It stays the caller's: a shutdown leaves it open.
-    pub fn queue(mut self, q: Arc<dyn WorkQueue>) -> Self {
-        self.queue = QueueChoice::Given(q);
+    pub fn queue(mut self, q: impl Into<Queue>) -> Self {
+        self.queue = QueueChoice::Given(q.into());
         self
     }
 
@@ -226,7 +226,7 @@ pub struct ReloadReport {
 struct Reloader {
     source: FlowSource,
     flows: Arc<Flows>,
-    queue: Arc<dyn WorkQueue>,
+    queue: Queue,
     routes: weir_triggers::webhook::Routes,
     mqtt: Arc<weir_nodes::mqtt::MqttHub>,
     intake: Intake,
@@ -285,7 +285,7 @@ impl Reloader {
             .collect();
         let mut cleared = 0;
         for f in &removed {
-            let n = self.queue.clear_flow(f).await?;
+            let n = self.queue.admin().clear_flow(f).await?;
             if n > 0 {
                 tracing::warn!(flow = %f, items = n, "flow removed: its waiting, delayed and parked items were cleared");
             }
@@ -332,7 +332,7 @@ pub struct RunningEngine {
     pub addr: SocketAddr,
     /// Where the admin API listens (the same as `addr` unless it was given its own).
     pub admin_addr: SocketAddr,
-    pub queue: Arc<dyn WorkQueue>,
+    pub queue: Queue,
     /// The engine opened its queue from a URL, so its shutdown closes it.
     owns_queue: bool,
     reloader: Arc<Reloader>,

@@ -24,10 +24,6 @@ pub(super) fn full(n: i64) -> QueueError {
 
 #[async_trait::async_trait]
 impl WorkQueue for RedisQueue {
-    fn durable(&self) -> bool {
-        true
-    }
-
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         // One script per shard: a batch is all-or-nothing within a shard (one shard by
         // default; a trigger's batch is one flow's, so one shard).
@@ -335,67 +331,6 @@ impl WorkQueue for RedisQueue {
         Ok(n)
     }
 
-    async fn recover(&self, consumer: &str) -> Result<usize, QueueError> {
-        // Everything pending for this consumer is taken in one pass (bounded per shard):
-        // claimed again in place, and handed out by the next claims before anything newer.
-        let mut back = Vec::new();
-        for p in self.prefixes() {
-            let flat: Vec<redis::Value> = self
-                .run(
-                    &self.scripts.recover,
-                    p,
-                    &[&consumer, &(RECLAIM_BATCH * RECLAIM_ROUNDS)],
-                )
-                .await?;
-            let (lease, rows) = claimed_rows(flat)?;
-            for row in rows {
-                // `RECOVER` answers only items in flight on their entries, never a foreign one.
-                let Row::Item(row) = row else { continue };
-                match row.decode(lease, consumer) {
-                    Ok(c) => back.push(c),
-                    Err((entry, e)) => self.bury_undecodable(p, &entry, &e).await?,
-                }
-            }
-        }
-        let n = back.len();
-        self.recovered
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend(back);
-        Ok(n)
-    }
-
-    async fn release(&self, consumer: &str) -> Result<usize, QueueError> {
-        let mut n = 0;
-        for p in self.prefixes() {
-            for _ in 0..RECLAIM_ROUNDS {
-                let (got, left): (usize, usize) = self
-                    .run(&self.scripts.release, p, &[&consumer, &RECLAIM_BATCH])
-                    .await?;
-                n += got;
-                if left == 0 {
-                    break;
-                }
-            }
-        }
-        Ok(n)
-    }
-
-    /// Finished items and dead letters; run records (hashes per flow) are left to the
-    /// server's memory policy for now.
-    async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
-        let mut p = crate::Pruned::default();
-        let before = before.to_string();
-        for shard in self.prefixes() {
-            let (o, d): (usize, usize) = self
-                .run(&self.scripts.prune, shard, &[&before, &10_000usize])
-                .await?;
-            p.outcomes += o;
-            p.dead += d;
-        }
-        Ok(p)
-    }
-
     async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
         let mut n = 0;
         let now = now.to_string();
@@ -422,48 +357,6 @@ impl WorkQueue for RedisQueue {
             }
         }
         Ok(best)
-    }
-
-    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
-        let key = keys::paused(self.prefix_of(flow));
-        let mut c = self.conn.clone();
-        if paused {
-            c.sadd::<_, _, ()>(key, flow).await.map_err(unavailable)
-        } else {
-            c.srem::<_, _, ()>(key, flow).await.map_err(unavailable)
-        }
-    }
-
-    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
-        let mut c = self.conn.clone();
-        c.sismember(keys::paused(self.prefix_of(flow)), flow)
-            .await
-            .map_err(unavailable)
-    }
-
-    async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
-        let mut c = self.conn.clone();
-        c.llen(keys::parked(self.prefix_of(flow), flow))
-            .await
-            .map_err(unavailable)
-    }
-
-    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
-        self.run(&self.scripts.unpark, self.prefix_of(flow), &[&flow])
-            .await
-    }
-
-    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
-        let r: Option<String> = self
-            .run(&self.scripts.unpark_one, self.prefix_of(flow), &[&flow])
-            .await?;
-        r.map(|id| Ulid::from_string(&id).map_err(corrupt))
-            .transpose()
-    }
-
-    async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
-        self.run(&self.scripts.clear_flow, self.prefix_of(flow), &[&flow])
-            .await
     }
 
     async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
@@ -566,6 +459,78 @@ impl WorkQueue for RedisQueue {
                 _ = woken.notify.notified() => heard = woken.heard.swap(false, Ordering::AcqRel),
             }
         }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::Consumers for RedisQueue {
+    async fn recover(&self, consumer: &str) -> Result<usize, QueueError> {
+        // Everything pending for this consumer is taken in one pass (bounded per shard):
+        // claimed again in place, and handed out by the next claims before anything newer.
+        let mut back = Vec::new();
+        for p in self.prefixes() {
+            let flat: Vec<redis::Value> = self
+                .run(
+                    &self.scripts.recover,
+                    p,
+                    &[&consumer, &(RECLAIM_BATCH * RECLAIM_ROUNDS)],
+                )
+                .await?;
+            let (lease, rows) = claimed_rows(flat)?;
+            for row in rows {
+                // `RECOVER` answers only items in flight on their entries, never a foreign one.
+                let Row::Item(row) = row else { continue };
+                match row.decode(lease, consumer) {
+                    Ok(c) => back.push(c),
+                    Err((entry, e)) => self.bury_undecodable(p, &entry, &e).await?,
+                }
+            }
+        }
+        let n = back.len();
+        self.recovered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(back);
+        Ok(n)
+    }
+
+    async fn release(&self, consumer: &str) -> Result<usize, QueueError> {
+        let mut n = 0;
+        for p in self.prefixes() {
+            for _ in 0..RECLAIM_ROUNDS {
+                let (got, left): (usize, usize) = self
+                    .run(&self.scripts.release, p, &[&consumer, &RECLAIM_BATCH])
+                    .await?;
+                n += got;
+                if left == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::Admin for RedisQueue {
+    /// Finished items and dead letters; run records (hashes per flow) are left to the
+    /// server's memory policy for now.
+    async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
+        let mut p = crate::Pruned::default();
+        let before = before.to_string();
+        for shard in self.prefixes() {
+            let (o, d): (usize, usize) = self
+                .run(&self.scripts.prune, shard, &[&before, &10_000usize])
+                .await?;
+            p.outcomes += o;
+            p.dead += d;
+        }
+        Ok(p)
+    }
+
+    async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
+        self.run(&self.scripts.clear_flow, self.prefix_of(flow), &[&flow])
+            .await
     }
 
     async fn stats(&self) -> Result<Stats, QueueError> {
@@ -711,5 +676,47 @@ impl WorkQueue for RedisQueue {
             QueueError::Conflict(format!("item {id} is not a dead letter"))
         })
         .await
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::Pausing for RedisQueue {
+    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
+        let key = keys::paused(self.prefix_of(flow));
+        let mut c = self.conn.clone();
+        if paused {
+            c.sadd::<_, _, ()>(key, flow).await.map_err(unavailable)
+        } else {
+            c.srem::<_, _, ()>(key, flow).await.map_err(unavailable)
+        }
+    }
+
+    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
+        let mut c = self.conn.clone();
+        c.sismember(keys::paused(self.prefix_of(flow)), flow)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
+        self.run(&self.scripts.unpark, self.prefix_of(flow), &[&flow])
+            .await
+    }
+
+    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
+        let r: Option<String> = self
+            .run(&self.scripts.unpark_one, self.prefix_of(flow), &[&flow])
+            .await?;
+        r.map(|id| Ulid::from_string(&id).map_err(corrupt))
+            .transpose()
+    }
+}
+
+impl From<RedisQueue> for crate::Queue {
+    fn from(q: RedisQueue) -> Self {
+        let q = std::sync::Arc::new(q);
+        crate::Queue::new(q.clone(), true)
+            .with_consumers(q.clone())
+            .with_quotas(q)
     }
 }

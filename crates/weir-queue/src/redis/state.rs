@@ -27,36 +27,6 @@ impl StateRead for RedisQueue {
         })
     }
 
-    fn shares_quotas(&self) -> bool {
-        true
-    }
-
-    async fn take_quota(
-        &self,
-        key: &StateKey,
-        every: Duration,
-        burst: u32,
-        want: u32,
-    ) -> Result<weir_state::Quota, StateError> {
-        let p = self.prefix_of(&key.flow);
-        let k = keys::quota(p, &key.flow, &key.node, &key.key);
-        let mut c = self.conn.clone();
-        let (granted, next_us): (u32, u64) = self
-            .scripts
-            .quota
-            .key(k)
-            .arg(every.as_micros().max(1) as u64)
-            .arg(burst.max(1))
-            .arg(want)
-            .invoke_async(&mut c)
-            .await
-            .map_err(|e| StateError(e.to_string()))?;
-        Ok(weir_state::Quota {
-            granted,
-            next_in: Duration::from_micros(next_us),
-        })
-    }
-
     async fn read_node(
         &self,
         flow: &str,
@@ -84,5 +54,34 @@ impl StateRead for RedisQueue {
                 ))
             })
             .collect()
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::SharedQuotas for RedisQueue {
+    async fn take_quota(
+        &self,
+        key: &StateKey,
+        every: Duration,
+        burst: u32,
+        want: u32,
+    ) -> Result<weir_state::Quota, StateError> {
+        let p = self.prefix_of(&key.flow);
+        let k = keys::quota(p, &key.flow, &key.node, &key.key);
+        let mut c = self.conn.clone();
+        let (granted, next_us): (u32, u64) = self
+            .scripts
+            .quota
+            .key(k)
+            .arg(every.as_micros().max(1) as u64)
+            .arg(burst.max(1))
+            .arg(want)
+            .invoke_async(&mut c)
+            .await
+            .map_err(|e| StateError(e.to_string()))?;
+        Ok(weir_state::Quota {
+            granted,
+            next_in: Duration::from_micros(next_us),
+        })
     }
 }

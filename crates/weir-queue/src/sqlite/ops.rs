@@ -60,16 +60,7 @@ impl StateRead for SqliteQueue {
     }
 }
 
-#[async_trait::async_trait]
-impl WorkQueue for SqliteQueue {
-    fn durable(&self) -> bool {
-        true
-    }
-
-    fn promotes_due_items(&self) -> bool {
-        true
-    }
-
+impl crate::ClaimsWait for SqliteQueue {
     /// Four: with two, the claim loop's turn (hand out one answer, send the next claim)
     /// sometimes outlasted a transaction, and under the echo load 19 % of the items were
     /// claimed a transaction after the one that journaled them (one more fsync each); with
@@ -77,7 +68,10 @@ impl WorkQueue for SqliteQueue {
     fn claims_ahead(&self) -> usize {
         4
     }
+}
 
+#[async_trait::async_trait]
+impl crate::Closing for SqliteQueue {
     async fn close(&self) {
         let _ = self.jobs.send(Msg::Close);
         let writer = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -85,7 +79,10 @@ impl WorkQueue for SqliteQueue {
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
     }
+}
 
+#[async_trait::async_trait]
+impl WorkQueue for SqliteQueue {
     async fn add(&self, items: Vec<WorkItem>) -> Result<(), QueueError> {
         let max = self.max_ready;
         let rows = Encoded::owning(items)?;
@@ -105,44 +102,6 @@ impl WorkQueue for SqliteQueue {
                 "failpoint `add-reply-lost` fired (the add went through)".into(),
             )),
         })
-    }
-
-    fn claims_on_add(&self) -> bool {
-        true
-    }
-
-    async fn add_claimed(
-        &self,
-        consumer: &str,
-        item: WorkItem,
-    ) -> Result<Option<Claimed>, QueueError> {
-        let row = Encoded::new(&item, now_ms())?;
-        let (reply, rx) = oneshot::channel();
-        let sent = std::time::Instant::now();
-        self.jobs
-            .send(Msg::Job(Job::AddClaimed(Box::new(AddClaimed {
-                row,
-                consumer: consumer.to_string(),
-                max_ready: self.max_ready,
-                reply,
-            }))))
-            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
-        let mut answer = Unreceived {
-            rx: Some(rx),
-            jobs: self.jobs.clone(),
-        };
-        let got = answer
-            .receive()
-            .await
-            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
-        Wait::Journal.record(sent.elapsed());
-        Ok(got?.map(|(seq, lease)| {
-            let mut item = item;
-            item.deliveries += 1;
-            // A claimed item is due now.
-            item.not_before = None;
-            Claimed::new(item, lease, consumer, false, seq as u64)
-        }))
     }
 
     async fn add_idempotent(&self, key: &str, item: WorkItem) -> Result<(Ulid, bool), QueueError> {
@@ -302,36 +261,6 @@ impl WorkQueue for SqliteQueue {
         .await
     }
 
-    async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
-        self.write(move |c, w| {
-            // The finished items are the writer's to know (no index over the file).
-            w.recent.forget();
-            let mut del = c.prepare_cached(DELETE_FINISHED_SQL)?;
-            let mut outcomes = 0;
-            let mut kept = std::collections::VecDeque::with_capacity(w.finished.rows.len());
-            for (at, seq) in std::mem::take(&mut w.finished.rows) {
-                if at < before {
-                    outcomes += del.execute([seq])?;
-                } else {
-                    kept.push_back((at, seq));
-                }
-            }
-            w.finished.rows = kept;
-            let dead = c.execute("DELETE FROM items WHERE st = 'dead' AND at < ?1", [before])?;
-            let runs = c.execute(
-                "DELETE FROM state WHERE node = ?1
-                   AND json_extract(value, '$.updated_at') < ?2",
-                params![crate::RUNS_NODE, before],
-            )?;
-            Ok(crate::Pruned {
-                outcomes,
-                dead,
-                runs,
-            })
-        })
-        .await
-    }
-
     async fn move_due(&self, now: i64) -> Result<usize, QueueError> {
         self.write(move |c, w| {
             make_ready(
@@ -350,112 +279,6 @@ impl WorkQueue for SqliteQueue {
                 c.prepare_cached("SELECT min(due) FROM items WHERE st = 'delayed'")?
                     .query_row([], |r| r.get(0))?,
             )
-        })
-        .await
-    }
-
-    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
-        let name = flow.to_string();
-        let _one_at_a_time = self.pausing.lock().await;
-        self.write(move |c, _| {
-            if paused {
-                c.execute("INSERT OR IGNORE INTO paused (flow) VALUES (?1)", [&name])?;
-            } else {
-                c.execute("DELETE FROM paused WHERE flow = ?1", [&name])?;
-            }
-            Ok(())
-        })
-        .await?;
-        let mut set = self.paused.write().unwrap_or_else(|p| p.into_inner());
-        if paused {
-            set.insert(flow.to_string());
-        } else {
-            set.remove(flow);
-        }
-        Ok(())
-    }
-
-    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
-        Ok(self
-            .paused
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(flow))
-    }
-
-    async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
-        let flow = flow.to_string();
-        self.read_with(move |c| {
-            let n: i64 = c
-                .prepare_cached("SELECT count(*) FROM items WHERE flow = ?1 AND st = 'parked'")?
-                .query_row([&flow], |r| r.get(0))?;
-            Ok(n as usize)
-        })
-        .await
-    }
-
-    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
-        let flow = flow.to_string();
-        self.write(move |c, w| {
-            make_ready(
-                c,
-                w,
-                "SELECT seq FROM items WHERE flow = ?1 AND st = 'parked' ORDER BY ord",
-                [&flow],
-            )
-        })
-        .await
-    }
-
-    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
-        let flow = flow.to_string();
-        self.write(move |c, w| {
-            let oldest: Option<(i64, String)> = c
-                .prepare_cached(
-                    "SELECT seq, id FROM items WHERE flow = ?1 AND st = 'parked'
-                     ORDER BY ord LIMIT 1",
-                )?
-                .query_row([&flow], |r| Ok((r.get(0)?, r.get(1)?)))
-                .optional()?;
-            let Some((seq, id)) = oldest else {
-                return Ok(None);
-            };
-            // It keeps its place in the ready order, and runs although the flow is paused.
-            c.execute(
-                "UPDATE items SET st = 'waiting', stepped = 1 WHERE seq = ?1",
-                [seq],
-            )?;
-            w.ready += 1;
-            w.woke = true;
-            Ulid::from_string(&id)
-                .map(Some)
-                .map_err(|e| QueueError::Corrupt(e.to_string()))
-        })
-        .await
-    }
-
-    async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
-        let flow = flow.to_string();
-        self.write(move |c, w| {
-            let ready: i64 = c.query_row(
-                "SELECT count(*) FROM items WHERE flow = ?1 AND st = 'waiting'",
-                [&flow],
-                |r| r.get(0),
-            )?;
-            let now = now_ms();
-            let cleared: Vec<i64> = c
-                .prepare(
-                    "UPDATE items SET st = 'finished', reason = 'cleared with its flow', at = ?2,
-                                      due = NULL, stepped = 0
-                     WHERE flow = ?1 AND st IN ('waiting', 'delayed', 'parked') RETURNING seq",
-                )?
-                .query_map(params![flow, now], |r| r.get(0))?
-                .collect::<Result<_, _>>()?;
-            w.ready -= ready;
-            for &seq in &cleared {
-                w.finished.push(now, seq);
-            }
-            Ok(cleared.len())
         })
         .await
     }
@@ -500,6 +323,102 @@ impl WorkQueue for SqliteQueue {
 
     async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
         Ok(self.replies.wait(id, wait).await)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::ClaimOnAdd for SqliteQueue {
+    async fn add_claimed(
+        &self,
+        consumer: &str,
+        item: WorkItem,
+    ) -> Result<Option<Claimed>, QueueError> {
+        let row = Encoded::new(&item, now_ms())?;
+        let (reply, rx) = oneshot::channel();
+        let sent = std::time::Instant::now();
+        self.jobs
+            .send(Msg::Job(Job::AddClaimed(Box::new(AddClaimed {
+                row,
+                consumer: consumer.to_string(),
+                max_ready: self.max_ready,
+                reply,
+            }))))
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
+        let mut answer = Unreceived {
+            rx: Some(rx),
+            jobs: self.jobs.clone(),
+        };
+        let got = answer
+            .receive()
+            .await
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
+        Wait::Journal.record(sent.elapsed());
+        Ok(got?.map(|(seq, lease)| {
+            let mut item = item;
+            item.deliveries += 1;
+            // A claimed item is due now.
+            item.not_before = None;
+            Claimed::new(item, lease, consumer, false, seq as u64)
+        }))
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::Admin for SqliteQueue {
+    async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
+        self.write(move |c, w| {
+            // The finished items are the writer's to know (no index over the file).
+            w.recent.forget();
+            let mut del = c.prepare_cached(DELETE_FINISHED_SQL)?;
+            let mut outcomes = 0;
+            let mut kept = std::collections::VecDeque::with_capacity(w.finished.rows.len());
+            for (at, seq) in std::mem::take(&mut w.finished.rows) {
+                if at < before {
+                    outcomes += del.execute([seq])?;
+                } else {
+                    kept.push_back((at, seq));
+                }
+            }
+            w.finished.rows = kept;
+            let dead = c.execute("DELETE FROM items WHERE st = 'dead' AND at < ?1", [before])?;
+            let runs = c.execute(
+                "DELETE FROM state WHERE node = ?1
+                   AND json_extract(value, '$.updated_at') < ?2",
+                params![crate::RUNS_NODE, before],
+            )?;
+            Ok(crate::Pruned {
+                outcomes,
+                dead,
+                runs,
+            })
+        })
+        .await
+    }
+
+    async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
+        let flow = flow.to_string();
+        self.write(move |c, w| {
+            let ready: i64 = c.query_row(
+                "SELECT count(*) FROM items WHERE flow = ?1 AND st = 'waiting'",
+                [&flow],
+                |r| r.get(0),
+            )?;
+            let now = now_ms();
+            let cleared: Vec<i64> = c
+                .prepare(
+                    "UPDATE items SET st = 'finished', reason = 'cleared with its flow', at = ?2,
+                                      due = NULL, stepped = 0
+                     WHERE flow = ?1 AND st IN ('waiting', 'delayed', 'parked') RETURNING seq",
+                )?
+                .query_map(params![flow, now], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            w.ready -= ready;
+            for &seq in &cleared {
+                w.finished.push(now, seq);
+            }
+            Ok(cleared.len())
+        })
+        .await
     }
 
     async fn stats(&self) -> Result<Stats, QueueError> {
@@ -646,5 +565,87 @@ impl WorkQueue for SqliteQueue {
             ))),
         })
         .await
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::Pausing for SqliteQueue {
+    async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
+        let name = flow.to_string();
+        let _one_at_a_time = self.pausing.lock().await;
+        self.write(move |c, _| {
+            if paused {
+                c.execute("INSERT OR IGNORE INTO paused (flow) VALUES (?1)", [&name])?;
+            } else {
+                c.execute("DELETE FROM paused WHERE flow = ?1", [&name])?;
+            }
+            Ok(())
+        })
+        .await?;
+        let mut set = self.paused.write().unwrap_or_else(|p| p.into_inner());
+        if paused {
+            set.insert(flow.to_string());
+        } else {
+            set.remove(flow);
+        }
+        Ok(())
+    }
+
+    async fn is_paused(&self, flow: &str) -> Result<bool, QueueError> {
+        Ok(self
+            .paused
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(flow))
+    }
+
+    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
+        let flow = flow.to_string();
+        self.write(move |c, w| {
+            make_ready(
+                c,
+                w,
+                "SELECT seq FROM items WHERE flow = ?1 AND st = 'parked' ORDER BY ord",
+                [&flow],
+            )
+        })
+        .await
+    }
+
+    async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
+        let flow = flow.to_string();
+        self.write(move |c, w| {
+            let oldest: Option<(i64, String)> = c
+                .prepare_cached(
+                    "SELECT seq, id FROM items WHERE flow = ?1 AND st = 'parked'
+                     ORDER BY ord LIMIT 1",
+                )?
+                .query_row([&flow], |r| Ok((r.get(0)?, r.get(1)?)))
+                .optional()?;
+            let Some((seq, id)) = oldest else {
+                return Ok(None);
+            };
+            // It keeps its place in the ready order, and runs although the flow is paused.
+            c.execute(
+                "UPDATE items SET st = 'waiting', stepped = 1 WHERE seq = ?1",
+                [seq],
+            )?;
+            w.ready += 1;
+            w.woke = true;
+            Ulid::from_string(&id)
+                .map(Some)
+                .map_err(|e| QueueError::Corrupt(e.to_string()))
+        })
+        .await
+    }
+}
+
+impl From<SqliteQueue> for crate::Queue {
+    fn from(q: SqliteQueue) -> Self {
+        let q = std::sync::Arc::new(q);
+        crate::Queue::new(q.clone(), true)
+            .with_claim_on_add(q.clone())
+            .with_claims_wait(q.clone())
+            .with_closing(q)
     }
 }

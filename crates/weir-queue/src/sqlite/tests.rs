@@ -8,6 +8,7 @@ use crate::{
     now_ms, Claimed, Committed, End, Failpoints, ItemKind, ItemState, QueueError, WaveEffects,
     WorkItem, WorkQueue,
 };
+use crate::{Admin, ClaimOnAdd, Pausing};
 
 fn item(n: i64) -> WorkItem {
     WorkItem::cascade("f", "in", "t", vec![serde_json::json!({ "payload": n })])

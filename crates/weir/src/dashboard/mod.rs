@@ -17,7 +17,7 @@ use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use serde_json::{json, Value};
 use weir_exec::FlowRt;
-use weir_queue::{ListFilter, WorkQueue};
+use weir_queue::{ListFilter, Queue};
 
 const PAGE: &str = include_str!("page.html");
 const LOGIN: &str = include_str!("login.html");
@@ -203,10 +203,11 @@ pub(crate) fn asset(body: &'static str, kind: &'static str) -> Response {
 
 /// What the dashboard shows of each node: its calls and failures in this engine, and what
 /// it holds (messages a rate limit holds back, timers of a delay waiting in the queue).
-pub(crate) async fn node_figures(queue: &dyn WorkQueue, f: &FlowRt) -> Vec<Value> {
+pub(crate) async fn node_figures(queue: &Queue, f: &FlowRt) -> Vec<Value> {
     let flow = &f.flow;
     let mut held: BTreeMap<String, u64> = BTreeMap::new();
     if let Ok(delayed) = queue
+        .admin()
         .list(ListFilter {
             flow: Some(flow.id.clone()),
             state: Some("delayed".into()),
