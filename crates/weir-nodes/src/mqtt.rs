@@ -19,6 +19,7 @@ use weir_flow::{Spanned, Yaml};
 use weir_queue::Message;
 
 use crate::script::{self, Template};
+pub use crate::triggers::MqttInSpec;
 use crate::triggers::Trigger;
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
 
@@ -613,15 +614,6 @@ impl Node for Out {
 }
 
 // ---- mqtt-in ----
-
-/// What an `mqtt-in` node subscribes to.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MqttInSpec {
-    pub filter: String,
-    pub qos: QoS,
-    /// A broker the engine names, or the default one.
-    pub broker: Option<String>,
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

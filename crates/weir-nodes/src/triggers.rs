@@ -17,8 +17,17 @@ use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFacto
 pub enum Trigger {
     Webhook(WebhookSpec),
     Cron(Box<CronSpec>),
-    Mqtt(crate::mqtt::MqttInSpec),
+    Mqtt(MqttInSpec),
     Manual,
+}
+
+/// What an `mqtt-in` node subscribes to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MqttInSpec {
+    pub filter: String,
+    pub qos: rumqttc::QoS,
+    /// A broker the engine names, or the default one.
+    pub broker: Option<String>,
 }
 
 #[derive(Debug, Clone)]
