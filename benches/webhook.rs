@@ -630,9 +630,7 @@ fn median(mut v: Vec<f64>, unit: &str) -> String {
 
 /// `WEIR_BENCH_ONLY=alloc`: the default `weir` (on mimalloc) against the one built with
 /// `--no-default-features`, on the C library's malloc (built here, in a target directory of
-/// its own). The names in `symbol-order.txt` carry the build's features, so that build's own
-/// functions (the `weir` package's, not its dependencies') are left out of the order, which makes
-/// its idle figure a little higher than its own order would.
+/// its own).
 async fn alloc_only(duration: Duration) {
     compare(
         ("glibc", weir_bin_with(&["--no-default-features"])),
@@ -910,7 +908,6 @@ async fn bench() {
         idle as f64 / 1024.0,
         peak as f64 / 1024.0
     ));
-    summary.push(format!("  {}", code_layout(&weir_bin())));
     p.stop(Duration::from_secs(10)).await;
 
     // ---- 1,000 flows loaded vs 1 ----
@@ -951,45 +948,4 @@ fn main() {
         .build()
         .unwrap()
         .block_on(bench());
-}
-
-/// How much of `crates/weir/symbol-order.txt` the binary still matches: the names carry a
-/// hash of their crate's build, so a dependency or toolchain update leaves them stale, and
-/// the idle figure above grows by megabytes (docs/performance.md, "The allocator and the
-/// code's layout"). Read with `nm`; where that fails, says so.
-fn code_layout(bin: &Path) -> String {
-    let order = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/weir/symbol-order.txt");
-    let wanted = match std::fs::read_to_string(&order) {
-        Ok(w) => w,
-        Err(e) => return format!("code layout: none ({}: {e})", order.display()),
-    };
-    let out = match std::process::Command::new("nm")
-        .arg("--defined-only")
-        .arg(bin)
-        .output()
-    {
-        Ok(out) if out.status.success() => out,
-        Ok(out) => {
-            let why = String::from_utf8_lossy(&out.stderr);
-            return format!("code layout: not checked (`nm` failed: {})", why.trim());
-        }
-        Err(e) => return format!("code layout: not checked (`nm`: {e})"),
-    };
-    let defined: std::collections::HashSet<&str> = std::str::from_utf8(&out.stdout)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(2))
-        .collect();
-    let names: Vec<&str> = wanted.lines().filter(|l| !l.is_empty()).collect();
-    let found = names.iter().filter(|n| defined.contains(*n)).count();
-    // Even a few missing names can be a megabyte: they are often the large closures of the
-    // engine's start, renamed by an edit near them.
-    let advice = match names.len() - found {
-        0 => String::new(),
-        n => format!(" — {n} no longer match: run crates/weir/symbol-order.sh"),
-    };
-    format!(
-        "code layout: {found} of the {} functions named in crates/weir/symbol-order.txt are in the binary{advice}",
-        names.len()
-    )
 }
