@@ -178,7 +178,7 @@ fn main() {
         };
         // The same pass-through with the publisher allowed 100 publishes in flight instead
         // of 20: on a machine where a round trip to the broker is slow, 20 in flight bound
-        // the publisher, not the broker (docs/performance-log.md, "The 15:22 run").
+        // the publisher, not the broker.
         let wide = MqttPeer::connect_with(broker.port, "bench-device-wide", None, WIDE).await;
         let pass_wide = run(&wide, &direct, "pass", base, BURST, None).await;
 

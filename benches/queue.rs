@@ -17,8 +17,7 @@
 //!
 //! The process allocates with mimalloc, as the `weir` binary does by default: the queue is
 //! measured as the daemon runs it (the ceilings' loops run in the same process, on the same
-//! allocator). Until 2026-12-05 23:15 it ran on the C library's malloc (docs/performance-log.md,
-//! *Redis: the hot path built the lean way*).
+//! allocator).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

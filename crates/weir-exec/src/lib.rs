@@ -303,7 +303,7 @@ pub struct Executor {
     /// The waves its callers start running now, at most `max_in_flight` (each flow's
     /// `concurrency` alone would let a thousand flows run sixteen thousand). A count, not a
     /// semaphore: nothing ever waits for it, and a semaphore's permit locks its list of
-    /// waiters when it is given back (about 250 instructions a request more).
+    /// waiters when it is given back.
     started_here: Arc<AtomicUsize>,
     /// `weir_bounds_hit_total{bound="webhook_waves"}`, made at its first use and kept: under
     /// a sustained load past the bound every request counts one.
@@ -791,7 +791,7 @@ impl Executor {
             drop(job.waiting);
             // Boxed: a wave's future is large, and a task's future is moved whole on its
             // way into the runtime, several times (its stage rewritten whole again at the
-            // end): about 2,600 instructions of copying a wave. A box moves as a pointer.
+            // end). A box moves as a pointer.
             Box::pin(me.process(flow, job.claimed, permit)).await;
             drop(hold);
             drop(job._permit);

@@ -49,9 +49,9 @@ impl Executor {
     ) {
         let mut permit = permit;
         let mut replied = false;
-        // At debug level: a span at info costs each wave about 2 µs (4 % of an accepted
-        // event's CPU) in the subscriber's registry, filter and formatter. The events a wave
-        // logs at info and above carry their flow and item themselves.
+        // At debug level: a span at info costs every wave a visit to the subscriber's
+        // registry, filter and formatter (docs/performance.md). The events a wave logs at
+        // info and above carry their flow and item themselves.
         let span = tracing::debug_span!("wave", flow = %c.item.flow, node = %c.item.node, item = %c.item.id, deliveries = c.item.deliveries);
         let started = std::time::Instant::now();
         async {

@@ -214,7 +214,7 @@ async fn accept(
         }) {
             // Journaled claimed, the wave starts here: it does not wait for the executor to
             // be handed the item and to start it (a wake-up of the executor's task and a
-            // claim's answer less: about 8 % of an accepted event's instructions).
+            // claim's answer less).
             Some((ex, place, adder)) => adder.add_claimed(&ex.cfg.consumer, item).await.map(|c| {
                 wave = c.map(|c| ex.start_claimed(place, c));
                 id
@@ -250,7 +250,7 @@ async fn accept(
     };
     if !hook.spec.respond_wave {
         // `{"id":"…"}` written out: an id needs no escaping, and a JSON value built, then
-        // serialized and dropped, cost about 2,000 instructions an event.
+        // serialized and dropped, is work for nothing.
         let mut text = [0; ulid::ULID_LEN];
         let body = [r#"{"id":""#, id.array_to_str(&mut text), r#""}"#].concat();
         // A wave started here runs as a task of its own from here (`StartedWave`'s drop).

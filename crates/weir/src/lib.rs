@@ -454,8 +454,8 @@ impl Engine {
                 use axum::serve::ListenerExt;
                 // Each answer goes out at once, as Go's and nginx's servers do: with Nagle's
                 // algorithm the last part of an answer longer than a segment may wait for
-                // the client's delayed ACK (tens of ms). Level on the echo bench, whose
-                // answers fit one segment (docs/performance-log.md).
+                // the client's delayed ACK. Level on the echo bench, whose answers fit one
+                // segment.
                 let listener = listener.tap_io(|tcp| {
                     if let Err(e) = tcp.set_nodelay(true) {
                         tracing::debug!(error = %e, "TCP_NODELAY not set");

@@ -250,8 +250,8 @@ enum FlowCmd {
     Step { flow: String },
 }
 
-// The default (`--no-default-features` leaves the C library's malloc): about 5 % less CPU per
-// event for about 1 MiB more resident (docs/performance.md).
+// The default (`--no-default-features` leaves the C library's malloc): less CPU per event
+// for a little more resident memory (docs/performance.md).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

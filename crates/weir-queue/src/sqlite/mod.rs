@@ -142,8 +142,8 @@ impl SqliteQueue {
             "PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; PRAGMA wal_autocheckpoint=1000;",
         )
         .map_err(open_err)?;
-        // The writer's statements are prepared once each and kept (SQLite's parser cost a
-        // transaction's BEGIN and COMMIT about 3,400 instructions together): those of its hot
+        // The writer's statements are prepared once each and kept (SQLite's parser is dear
+        // next to running them): those of its hot
         // path by the writer itself (`Db`), the others in rusqlite's cache, with room for all
         // of them, so none is prepared again for want of a place.
         conn.set_prepared_statement_cache_capacity(64);

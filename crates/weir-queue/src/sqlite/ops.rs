@@ -62,9 +62,8 @@ impl StateRead for SqliteQueue {
 
 impl crate::ClaimsWait for SqliteQueue {
     /// Four: with two, the claim loop's turn (hand out one answer, send the next claim)
-    /// sometimes outlasted a transaction, and under the echo load 19 % of the items were
-    /// claimed a transaction after the one that journaled them (one more fsync each); with
-    /// four, 1 % (docs/performance-log.md, "A write waits two transactions").
+    /// sometimes outlasted a transaction, and an item journaled meanwhile was claimed a
+    /// transaction later (one more fsync); with four that is rare.
     fn claims_ahead(&self) -> usize {
         4
     }

@@ -157,7 +157,7 @@ pub(super) struct Encoded {
     pub(super) body: String,
     /// The item itself, when its caller gave it up ([`Encoded::owning`]): handed to a
     /// claimer waiting in the same transaction (`insert_claimed`), it is not decoded again
-    /// from `body` (about 5,000 instructions an accepted event). Taken at most once.
+    /// from `body`. Taken at most once.
     pub(super) item: std::cell::Cell<Option<WorkItem>>,
 }
 

@@ -73,7 +73,7 @@ pub(super) const MIGRATIONS: &[Step] = &[
     // weir that knows schema 2 refuses the file instead of reading new bodies as poison.
     Step::Sql(""),
     // 4: `seq` without AUTOINCREMENT, which wrote the largest `seq` to `sqlite_sequence` at
-    // every journaled item (about 3 % of the CPU an item in the pipelined queue bench). A
+    // every journaled item. A
     // new row takes the one after the largest; a `seq` can come back only after the newest
     // row was deleted, and nothing outside a row's own life refers to it (claims carry their
     // lease too, and a row in flight is never deleted). SQLite cannot drop AUTOINCREMENT in
@@ -110,9 +110,7 @@ pub(super) const MIGRATIONS: &[Step] = &[
     CREATE INDEX items_finished ON items (at) WHERE st = 'finished';"),
     // 5: no index of the items in flight. The writer makes every change of state (one engine
     // a file), so it keeps them itself (`InFlight`); the index's newest page was written
-    // again by nearly every transaction (a page of the 7 an echo's transaction wrote; without
-    // it 1.03x the accepted events a second over fourteen pairs, and 2-3 us less of the
-    // writer's CPU an event).
+    // again by nearly every transaction.
     Step::Sql("DROP INDEX items_claimed;"),
     // 6: no index of the finished items either. The writer keeps them in the order they
     // finished (`Finished`), for the trim past `FINISHED_KEPT` and the prune of old outcomes;

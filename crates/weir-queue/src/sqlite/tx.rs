@@ -23,9 +23,8 @@ pub(super) const PRUNE_EVERY: u64 = 512;
 /// Finished items past `FINISHED_KEPT` are deleted in the transactions that finish more,
 /// at most this many at a time (never one long delete that stalls every caller behind it).
 /// Each trim rewrites the pages at the old end of the table and of its indexes, whatever
-/// it deletes, so fewer, larger trims write less: at 256 (about 0.3 ms of SQL) an echo
-/// transaction wrote 0.3-0.6 pages fewer than at 64, for 1.06x the requests a second in
-/// seven alternating pairs, with the same p99; at 1,024 the p99 grew by a quarter.
+/// it deletes, so fewer, larger trims write less; much larger ones lengthen the p99 of the
+/// transactions they land in.
 pub(super) const TRIM_CHUNK: i64 = 256;
 
 /// Delete the finished row `seq` (one the writer keeps in `Finished`).
@@ -565,7 +564,7 @@ pub(super) fn is_paused(c: &Connection, flow: &str) -> Result<bool, QueueError> 
 
 /// The ready items, oldest first. No `LIMIT ?`: the bundled SQLite is built with STAT4, so
 /// it reads a bound LIMIT while planning, and every claim asking for a different number made
-/// it prepare the statement again (8% of the writer's time under a webhook load). The rows
+/// it prepare the statement again. The rows
 /// come in index order and the caller stops stepping at its `max`.
 pub(super) const CLAIM_SQL: &str = "SELECT seq, body, deliveries, stepped, id, flow, enqueued_at
     FROM items WHERE st = 'waiting' ORDER BY ord";
