@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::Value;
-use weir::weir_exec::ExecConfig;
+use weir::exec::ExecConfig;
 use weir::{Engine, Failpoints, RunningEngine};
 
 pub mod browser;

@@ -139,7 +139,7 @@ async fn overflow_drop_passes_one_quota_and_counts_the_rest() {
     for n in 0..20 {
         assert_eq!(post_json(&e, "in", json!({ "n": n })).await.status(), 202);
     }
-    let key = StateKey::new("limited", "limit", weir::weir_nodes::rate_limit::DROPPED);
+    let key = StateKey::new("limited", "limit", weir::nodes::rate_limit::DROPPED);
     let dropped = || {
         let q = e.queue.clone();
         let key = key.clone();

@@ -23,8 +23,10 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use weir_core::{now_ms, Failpoints};
 use weir_nodes::LoadedFlow;
-use weir_queue::{now_ms, Claimed, Failpoints, Queue, QueueError};
+use weir_queue::{Claimed, Queue, QueueError, WorkItem};
+use weir_triggers::{StartHere, StartedWave};
 
 /// Executor settings.
 #[derive(Debug, Clone)]
@@ -279,6 +281,21 @@ impl Flows {
             .cloned()
     }
 
+    /// Every source node of the flows in force (a webhook, a cron schedule, an MQTT
+    /// filter), for the triggers to run.
+    pub fn sources(&self) -> Vec<weir_triggers::Source> {
+        self.all()
+            .iter()
+            .flat_map(|f| {
+                f.flow.triggers().map(|(node, t)| weir_triggers::Source {
+                    flow: f.flow.id.clone(),
+                    node: node.to_string(),
+                    trigger: t.clone(),
+                })
+            })
+            .collect()
+    }
+
     pub fn all(&self) -> Vec<Arc<FlowRt>> {
         let mut v: Vec<_> = self
             .0
@@ -329,63 +346,23 @@ impl Drop for StartedHere {
     }
 }
 
-/// A wave started where its item was journaled ([`Executor::start_claimed`]): its caller
-/// polls it (it is a future that ends with the wave) as long as it waits for what the wave
-/// gives it, in its own task, with no hand-off between. Dropped before the wave ends, the
-/// rest of it runs as a task of its own: a caller gone (a client that hung up) never
-/// strands a wave. Shutdown waits for it like any other.
-pub struct StartedWave(Option<Pin<Box<dyn Future<Output = ()> + Send>>>);
+/// The executor as triggers reach it ([`Executor::starter`]).
+struct Starter(Arc<Executor>);
 
-impl StartedWave {
-    /// Run the wave in the caller's task while waiting for `until` (its reply, say), and
-    /// give what `until` gives. The wave may end before; whatever is left of it after runs
-    /// on its own once this is dropped.
-    pub async fn run_until<T>(&mut self, until: impl Future<Output = T>) -> T {
-        tokio::pin!(until);
-        let mut ended = false;
-        loop {
-            tokio::select! {
-                biased;
-                _ = &mut *self, if !ended => ended = true,
-                got = &mut until => return got,
-            }
-        }
-    }
-}
-
-impl Future for StartedWave {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let Some(wave) = self.0.as_mut() else {
-            return Poll::Ready(());
+#[async_trait::async_trait]
+impl StartHere for Starter {
+    async fn journal_and_start(&self, item: WorkItem) -> Result<Option<StartedWave>, QueueError> {
+        let ex = &self.0;
+        let here = ex
+            .queue
+            .claim_on_add()
+            .and_then(|adder| Some((adder, ex.place_for(&item.flow, &item.node)?)));
+        let Some((adder, place)) = here else {
+            ex.queue.add(vec![item]).await?;
+            return Ok(None);
         };
-        // A node that panics (a bug; in a node type an embedder added, say) fails its wave
-        // alone, as it would in a task of its own, not the request whose task runs it: the
-        // item stays in flight and comes back after the reclaim delay.
-        let polled =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| wave.as_mut().poll(cx)));
-        let ended = polled.unwrap_or_else(|_| {
-            tracing::error!("a wave panicked; its item is redelivered after the reclaim delay");
-            Poll::Ready(())
-        });
-        if ended.is_ready() {
-            self.0 = None;
-        }
-        ended
-    }
-}
-
-impl Drop for StartedWave {
-    fn drop(&mut self) {
-        if let Some(wave) = self.0.take() {
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => drop(rt.spawn(wave)),
-                // No runtime to run it on (the process is ending): its item is in flight
-                // under this engine's name, and the next start takes it back.
-                Err(_) => tracing::warn!("a wave was left unfinished with no runtime to finish it; its item is redelivered at the next start"),
-            }
-        }
+        let claimed = adder.add_claimed(&ex.cfg.consumer, item).await?;
+        Ok(claimed.map(|c| ex.start_claimed(place, c)))
     }
 }
 
@@ -509,7 +486,13 @@ impl Executor {
             me.process(Some(place.flow), c, Some(place.permit)).await;
             drop(place.engine);
         };
-        StartedWave(Some(Box::pin(self.waves.track_future(wave))))
+        StartedWave::new(self.waves.track_future(wave))
+    }
+
+    /// The handle through which triggers journal an event and start its wave here
+    /// ([`StartHere`]): the webhook fast path.
+    pub fn starter(self: &Arc<Self>) -> Arc<dyn StartHere> {
+        Arc::new(Starter(self.clone()))
     }
 
     /// Run until `shutdown` fires: stop claiming, finish the waves in flight (up to the
@@ -942,7 +925,7 @@ mod tests {
     impl weir_nodes::Node for Boom {
         async fn call(
             &self,
-            _: weir_queue::Message,
+            _: weir_core::Message,
             _: &mut weir_nodes::NodeCx<'_>,
         ) -> Result<weir_nodes::Emit, weir_nodes::NodeError> {
             panic!("boom");

@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::Instrument;
+use weir_core::{now_ms, Message};
 use weir_nodes::{Emit, NodeCx, NodeError, WaveOut};
 use weir_queue::{
-    now_ms, Claimed, Committed, DoneKey, End, ItemKind, ItemState, Message, Reply, StateKey,
-    WaveEffects, WorkItem,
+    Claimed, Committed, DoneKey, End, ItemKind, ItemState, Reply, StateKey, WaveEffects, WorkItem,
 };
 use weir_state::Overlay;
 

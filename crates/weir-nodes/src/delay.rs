@@ -12,8 +12,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 use ulid::Ulid;
+use weir_core::Message;
 use weir_flow::Yaml;
-use weir_queue::Message;
 
 use crate::duration::Dur;
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};

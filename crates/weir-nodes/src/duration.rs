@@ -8,7 +8,7 @@ use weir_flow::Spanned;
 
 use crate::ConfigError;
 
-pub use weir_queue::duration::parse;
+pub use weir_core::duration::parse;
 
 /// A duration field in a config, checked with its position.
 #[derive(Debug, Clone, PartialEq)]

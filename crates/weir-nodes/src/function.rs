@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use rhai::{Dynamic, Engine, Scope, AST};
 use serde::Deserialize;
 use serde_json::Value;
+use weir_core::Message;
 use weir_flow::{Spanned, Yaml};
-use weir_queue::Message;
 
 use crate::script::{self, from_dynamic, run_error, to_dynamic};
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};

@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::Value;
+use weir_core::redact;
+use weir_core::Message;
 use weir_flow::{Spanned, Yaml};
-use weir_queue::{shown, Message, Reply, ReplyBody};
+use weir_queue::{Reply, ReplyBody};
 
 use crate::duration::Dur;
 use crate::script::{self, Template};
@@ -119,7 +121,7 @@ impl Node for Request {
             req = req.json(msg.get("payload").unwrap_or(&Value::Null));
         }
         let resp = req.send().await.map_err(|e| {
-            let (url, e) = (shown::url(&url), e.without_url());
+            let (url, e) = (redact::url(&url), e.without_url());
             NodeError::transient(format!("{} {url}: {e}", self.method))
         })?;
         let status = resp.status();
@@ -130,7 +132,7 @@ impl Node for Request {
             .and_then(|s| s.parse::<u64>().ok())
             .map(Duration::from_secs);
         let bytes = resp.bytes().await.map_err(|e| {
-            let (url, e) = (shown::url(&url), e.without_url());
+            let (url, e) = (redact::url(&url), e.without_url());
             NodeError::transient(format!("{url}: reading the answer: {e}"))
         })?;
         let body = serde_json::from_slice::<Value>(&bytes)
@@ -140,7 +142,7 @@ impl Node for Request {
             || status == reqwest::StatusCode::REQUEST_TIMEOUT
         {
             return Err(NodeError::Transient {
-                reason: format!("{} {} answered {status}", self.method, shown::url(&url)),
+                reason: format!("{} {} answered {status}", self.method, redact::url(&url)),
                 retry_after,
             });
         }
@@ -148,7 +150,7 @@ impl Node for Request {
             return Err(NodeError::Permanent(format!(
                 "{} {} answered {status}: {body}",
                 self.method,
-                shown::url(&url)
+                redact::url(&url)
             )));
         }
         if let Some(o) = msg.as_object_mut() {

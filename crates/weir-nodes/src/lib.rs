@@ -22,8 +22,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::Value;
+use weir_core::{now_ms, Message};
 use weir_flow::{Pos, Spanned, Yaml};
-use weir_queue::{now_ms, Message, Reply, WorkItem};
+use weir_queue::{Reply, WorkItem};
 use weir_state::{Overlay, SharedQuotas, StateKey, StateRead};
 
 pub use library::{Library, LoadedFlow, LoadedNode, Retry};

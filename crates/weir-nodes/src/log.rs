@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use serde::Deserialize;
+use weir_core::Message;
 use weir_flow::Yaml;
-use weir_queue::Message;
 
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
 

@@ -26,9 +26,9 @@ use rhai::AST;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use ulid::Ulid;
+use weir_core::Message;
 use weir_flow::{Spanned, Yaml};
 use weir_limit::Limiter;
-use weir_queue::Message;
 
 use crate::script;
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::Value;
+use weir_core::Message;
 use weir_flow::{Spanned, Yaml};
-use weir_queue::Message;
 
 use crate::script::{self, delete_path, get_path, set_path, Template};
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};

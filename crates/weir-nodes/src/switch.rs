@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use rhai::AST;
 use serde::Deserialize;
+use weir_core::Message;
 use weir_flow::{Spanned, Yaml};
-use weir_queue::Message;
 
 use crate::script;
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};

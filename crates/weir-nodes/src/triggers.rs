@@ -6,64 +6,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
+use weir_core::Message;
 use weir_flow::{Spanned, Yaml};
-use weir_queue::Message;
 
 use crate::duration::Dur;
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
+pub use weir_triggers::spec::{Auth, CronSpec, MqttInSpec, Trigger, WebhookSpec};
 
-/// What drives a source node.
-#[derive(Debug, Clone)]
-pub enum Trigger {
-    Webhook(WebhookSpec),
-    Cron(Box<CronSpec>),
-    Mqtt(MqttInSpec),
-    Manual,
-}
-
-/// What an `mqtt-in` node subscribes to.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MqttInSpec {
-    pub filter: String,
-    pub qos: rumqttc::QoS,
-    /// A broker the engine names, or the default one.
-    pub broker: Option<String>,
-}
-
-#[derive(Debug, Clone)]
-pub struct WebhookSpec {
-    /// Served at `/hooks/<path>`.
-    pub path: String,
-    pub method: String,
-    /// Wait for the wave's `http-response` instead of answering 202 at once.
-    pub respond_wave: bool,
-    pub timeout: Duration,
-    pub auth: Option<Auth>,
-    pub max_body: usize,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum Auth {
-    /// `Authorization: Bearer <value of this variable>`.
-    Bearer { secret: String },
-    /// `X-Weir-Signature: sha256=<hex HMAC-SHA256 of the body>` with this variable's value.
-    Hmac { secret: String },
-}
-
-#[derive(Debug, Clone)]
-pub struct CronSpec {
-    pub schedule: String,
-    pub cron: croner::Cron,
-    pub timezone: chrono_tz::Tz,
-    /// After downtime, fire the last missed tick once.
-    pub catch_up_last: bool,
-    pub payload: Option<serde_json::Value>,
-}
-
-pub(crate) struct Source(pub(crate) Trigger);
+/// A source node in a flow: it only carries its trigger, which the engine runs.
+pub(crate) struct SourceNode(pub(crate) Trigger);
 
 #[async_trait::async_trait]
-impl Node for Source {
+impl Node for SourceNode {
     fn trigger(&self) -> Option<&Trigger> {
         Some(&self.0)
     }
@@ -185,7 +139,7 @@ impl NodeFactory for WebhookFactory {
             return Err(errors);
         }
         Ok(Built {
-            node: Arc::new(Source(Trigger::Webhook(WebhookSpec {
+            node: Arc::new(SourceNode(Trigger::Webhook(WebhookSpec {
                 path,
                 method,
                 respond_wave: c.respond == Respond::Wave,
@@ -258,7 +212,7 @@ impl NodeFactory for CronFactory {
         };
         match (cron, timezone) {
             (Some(cron), Some(timezone)) if errors.is_empty() => Ok(Built {
-                node: Arc::new(Source(Trigger::Cron(Box::new(CronSpec {
+                node: Arc::new(SourceNode(Trigger::Cron(Box::new(CronSpec {
                     schedule: c.schedule.value.clone(),
                     cron,
                     timezone,
@@ -289,7 +243,7 @@ impl NodeFactory for ManualFactory {
     fn build(&self, y: &Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: ManualConfig = config(y)?;
         Ok(Built {
-            node: Arc::new(Source(Trigger::Manual)),
+            node: Arc::new(SourceNode(Trigger::Manual)),
             ports: vec![c.to.0],
         })
     }

@@ -2,20 +2,10 @@
 
 use serde::{Deserialize, Serialize};
 use ulid::Ulid;
-
-/// A message travelling along wires: a JSON object, `{"payload": ..., "topic": ...}`.
-pub type Message = serde_json::Value;
+use weir_core::{now_ms, Message};
 
 /// The format version written into every item, so an upgraded engine reads older journals.
 pub const ITEM_VERSION: u32 = 1;
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -7,14 +7,11 @@
 //! trait and run the same [`conformance`] suite.
 
 pub mod capability;
-pub mod duration;
-pub mod failpoint;
 mod item;
 pub mod memory;
 mod open;
 pub mod redis;
 mod replies;
-pub mod shown;
 pub mod sqlite;
 
 #[cfg(feature = "conformance")]
@@ -30,12 +27,13 @@ use ulid::Ulid;
 pub use capability::{
     Admin, ClaimOnAdd, ClaimsWait, Closing, Consumers, Pausing, Queue, SharedQuotas,
 };
-pub use failpoint::Failpoints;
-pub use item::{now_ms, ItemKind, Message, WorkItem, ITEM_VERSION};
+pub use item::{ItemKind, WorkItem, ITEM_VERSION};
 pub use memory::MemoryQueue;
 pub use open::open;
 pub use redis::{RedisOptions, RedisQueue};
 pub use sqlite::SqliteQueue;
+/// The shared vocabulary, re-exported where the queue's own types use it.
+pub use weir_core::{now_ms, Failpoints, Message};
 pub use weir_state::{Quota, StateError, StateKey, StateRead, StateWrite, Versioned};
 
 #[derive(Debug, thiserror::Error)]

@@ -2,10 +2,9 @@
 
 use std::time::Duration;
 
-use crate::{
-    duration, shown, Failpoints, MemoryQueue, Queue, QueueError, RedisOptions, RedisQueue,
-    SqliteQueue,
-};
+use weir_core::{duration, redact};
+
+use crate::{Failpoints, MemoryQueue, Queue, QueueError, RedisOptions, RedisQueue, SqliteQueue};
 
 /// The queue a URL names: `memory`, `sqlite:PATH` (or a path ending in `.db`),
 /// `redis://HOST:PORT[/DB]` (`rediss://` for TLS), or a Redis Cluster by some of its nodes,
@@ -46,7 +45,7 @@ pub async fn open(url: &str, failpoints: Failpoints) -> Result<Queue, QueueError
     }
     Err(QueueError::Open(format!(
         "`{}` names no queue backend: use memory, sqlite:PATH, redis://HOST:PORT or redis-cluster://HOST:PORT,…",
-        shown::url(url)
+        redact::url(url)
     )))
 }
 
@@ -59,7 +58,7 @@ fn redis_options(url: &str, max_ready: usize) -> Result<(String, RedisOptions), 
         ..RedisOptions::default()
     };
     let bad = |what: &str, v: &str, want: &str| {
-        QueueError::Open(format!("`{what}={v}` in {}: {want}", shown::url(base)))
+        QueueError::Open(format!("`{what}={v}` in {}: {want}", redact::url(base)))
     };
     let mut rest = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -110,7 +109,7 @@ fn take_max_ready(url: &str) -> Result<(String, usize), QueueError> {
                 max = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
                     QueueError::Open(format!(
                         "`max_ready={v}` in {}: a number above 0",
-                        shown::url(base)
+                        redact::url(base)
                     ))
                 })?
             }

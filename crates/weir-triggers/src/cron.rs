@@ -7,26 +7,29 @@ use chrono::{TimeZone, Utc};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use weir_exec::Flows;
-use weir_nodes::triggers::{CronSpec, Trigger};
 use weir_queue::{Queue, StateKey, WorkItem, WorkQueue};
+
+use crate::spec::{CronSpec, Source, Trigger};
 
 const LAST_TICK: &str = "last_tick";
 
-/// Start a task for every cron node of `flows`.
-pub fn spawn_all(queue: Queue, flows: &Flows, tracker: &TaskTracker, shutdown: CancellationToken) {
-    for f in flows.all() {
-        for (node, t) in f.flow.triggers() {
-            if let Trigger::Cron(spec) = t {
-                let (q, flow, node, spec, stop) = (
-                    queue.clone(),
-                    f.flow.id.clone(),
-                    node.to_string(),
-                    (**spec).clone(),
-                    shutdown.clone(),
-                );
-                tracker.spawn(async move { run(q, flow, node, spec, stop).await });
-            }
+/// Start a task for every cron schedule among `sources`.
+pub fn spawn_all(
+    queue: Queue,
+    sources: &[Source],
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) {
+    for s in sources {
+        if let Trigger::Cron(spec) = &s.trigger {
+            let (q, flow, node, spec, stop) = (
+                queue.clone(),
+                s.flow.clone(),
+                s.node.clone(),
+                (**spec).clone(),
+                shutdown.clone(),
+            );
+            tracker.spawn(async move { run(q, flow, node, spec, stop).await });
         }
     }
 }

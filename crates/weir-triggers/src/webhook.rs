@@ -2,7 +2,6 @@
 //! or, with `respond: wave`, waits (bounded) for the wave's `http-response`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::body::{to_bytes, Body};
@@ -15,25 +14,11 @@ use hmac::{Hmac, Mac};
 use serde_json::{json, Value};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
-use weir_exec::{Executor, Flows};
-use weir_nodes::triggers::{Auth, Trigger, WebhookSpec};
 use weir_queue::{Queue, QueueError, WorkItem};
 
-/// Whether triggers still take new events (off during shutdown: webhooks answer 503).
-#[derive(Clone, Default)]
-pub struct Intake(Arc<AtomicBool>);
-
-impl Intake {
-    pub fn open() -> Self {
-        Intake(Arc::new(AtomicBool::new(true)))
-    }
-    pub fn close(&self) {
-        self.0.store(false, Ordering::SeqCst);
-    }
-    pub fn is_open(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
-    }
-}
+use crate::spec::{Auth, Source, Trigger, WebhookSpec};
+use crate::start::StartHere;
+use crate::Intake;
 
 struct Hook {
     flow: String,
@@ -56,19 +41,17 @@ const X_WEIR_ITEM: HeaderName = HeaderName::from_static("x-weir-item");
 pub struct Routes(Arc<std::sync::RwLock<Arc<Table>>>);
 
 impl Routes {
-    /// Take the routes from every webhook node of `flows`.
-    pub fn rebuild(&self, flows: &Flows) {
+    /// Take the routes from every webhook among `sources`.
+    pub fn rebuild(&self, sources: &[Source]) {
         let mut routes: Table = HashMap::default();
-        for f in flows.all() {
-            for (node, t) in f.flow.triggers() {
-                if let Trigger::Webhook(spec) = t {
-                    routes.entry(spec.path.clone()).or_default().push(Hook {
-                        flow: f.flow.id.clone(),
-                        node: node.to_string(),
-                        spec: spec.clone(),
-                        events: Default::default(),
-                    });
-                }
+        for s in sources {
+            if let Trigger::Webhook(spec) = &s.trigger {
+                routes.entry(spec.path.clone()).or_default().push(Hook {
+                    flow: s.flow.clone(),
+                    node: s.node.clone(),
+                    spec: spec.clone(),
+                    events: Default::default(),
+                });
             }
         }
         *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(routes);
@@ -85,26 +68,26 @@ struct Hooks {
     routes: Routes,
     intake: Intake,
     /// The engine's executor, when requests may start their own waves.
-    exec: Option<Arc<Executor>>,
+    start: Option<Arc<dyn StartHere>>,
 }
 
-/// The `/hooks/*` routes for every webhook node of `flows`, and the handle that changes them.
-/// With `exec`, a request whose wave can start at once starts it as soon as it is journaled
-/// ([`Executor::place_for`]), not after a claim: a `respond: wave` request runs it in its own
+/// The `/hooks/*` routes for every webhook among `sources`, and the handle that changes
+/// them. With `start`, a request whose wave can start at once starts it as soon as it is
+/// journaled ([`StartHere`]), not after a claim: a `respond: wave` request runs it in its own
 /// task as far as the reply, an accepted one hands it to a task of its own.
 pub fn router(
     queue: Queue,
-    flows: &Flows,
+    sources: &[Source],
     intake: Intake,
-    exec: Option<Arc<Executor>>,
+    start: Option<Arc<dyn StartHere>>,
 ) -> (Router, Routes) {
     let routes = Routes::default();
-    routes.rebuild(flows);
+    routes.rebuild(sources);
     let state = Hooks {
         queue,
         routes: routes.clone(),
         intake,
-        exec,
+        start,
     };
     let r = Router::new()
         .route("/hooks/{*path}", any(handle))
@@ -208,15 +191,11 @@ async fn accept(
             let key = format!("{}:{}:{key}", hook.flow, hook.node);
             s.queue.add_idempotent(&key, item).await.map(|(id, _)| id)
         }
-        None => match s.exec.as_ref().and_then(|ex| {
-            let adder = s.queue.claim_on_add()?;
-            Some((ex, ex.place_for(&hook.flow, &hook.node)?, adder))
-        }) {
-            // Journaled claimed, the wave starts here: it does not wait for the executor to
-            // be handed the item and to start it (a wake-up of the executor's task and a
-            // claim's answer less).
-            Some((ex, place, adder)) => adder.add_claimed(&ex.cfg.consumer, item).await.map(|c| {
-                wave = c.map(|c| ex.start_claimed(place, c));
+        None => match &s.start {
+            // Journaled claimed where it can be, the wave starts here: it does not wait for
+            // the executor to be handed the item and to start it.
+            Some(start) => start.journal_and_start(item).await.map(|started| {
+                wave = started;
                 id
             }),
             None => s.queue.add(vec![item]).await.map(|_| id),

@@ -33,7 +33,7 @@ impl NodeFactory for ShoutFactory {
         "shout"
     }
 
-    fn build(&self, y: &weir::weir_flow::Yaml) -> Result<Built, Vec<ConfigError>> {
+    fn build(&self, y: &weir::flow::Yaml) -> Result<Built, Vec<ConfigError>> {
         let c: ShoutConfig = config(y)?;
         if c.times > 10 {
             return Err(vec![ConfigError::at(y.pos, "`times` is at most 10")]);

@@ -172,7 +172,7 @@ async fn start_run(
     let Some((node, _)) = f
         .flow
         .triggers()
-        .find(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Manual))
+        .find(|(_, t)| matches!(t, weir_triggers::Trigger::Manual))
     else {
         return bad(format!(
             "flow `{id}` has no `manual` node to start a run at"

@@ -28,16 +28,21 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use weir_exec::{ExecConfig, Executor, Flows};
-use weir_triggers::webhook::Intake;
+use weir_triggers::Intake;
 
-pub use weir_exec;
-pub use weir_flow::{self, Diagnostic, Diagnostics};
-pub use weir_nodes;
+pub use weir_core::{now_ms, Failpoints, Message};
+pub use weir_exec as exec;
+pub use weir_flow as flow;
+pub use weir_flow::{Diagnostic, Diagnostics};
+pub use weir_nodes as nodes;
 pub use weir_nodes::{
     config, Built, ConfigError, Emit, Library, LoadedFlow, Node, NodeCx, NodeError, NodeFactory,
     Wires,
 };
-pub use weir_queue::{self as queue, Failpoints, MemoryQueue, Message, Queue, WorkQueue};
+pub use weir_queue as queue;
+pub use weir_queue::{MemoryQueue, Queue, WorkQueue};
+pub use weir_state as state;
+pub use weir_triggers as triggers;
 
 /// Why an engine could not be built or started. Each message is whole on its own: the
 /// wrapped errors are shown through (`transparent`), not again as a cause, so a chain
@@ -161,10 +166,10 @@ impl EngineBuilder {
     pub fn build(self) -> Result<Engine, EngineError> {
         let mqtt = self.library.mqtt();
         if let Some(url) = &self.mqtt {
-            mqtt.set_broker(weir_nodes::mqtt::Broker::parse(url).map_err(EngineError::Config)?);
+            mqtt.set_broker(weir_triggers::mqtt::Broker::parse(url).map_err(EngineError::Config)?);
         }
         for (name, url) in &self.brokers {
-            let b = weir_nodes::mqtt::Broker::parse(url)
+            let b = weir_triggers::mqtt::Broker::parse(url)
                 .map_err(|e| EngineError::Config(format!("broker `{name}`: {e}")))?;
             mqtt.add_broker(name, b);
         }
@@ -228,7 +233,7 @@ struct Reloader {
     flows: Arc<Flows>,
     queue: Queue,
     routes: weir_triggers::webhook::Routes,
-    mqtt: Arc<weir_nodes::mqtt::MqttHub>,
+    mqtt: Arc<weir_triggers::mqtt::MqttHub>,
     intake: Intake,
     tracker: TaskTracker,
     stop: CancellationToken,
@@ -240,16 +245,15 @@ struct Reloader {
 impl Reloader {
     /// Start cron and MQTT for the flows in force, under `token`.
     fn spawn_triggers(&self, token: &CancellationToken) -> Result<(), EngineError> {
-        let needs_mqtt = self.flows.all().iter().any(|f| {
-            f.flow
-                .triggers()
-                .any(|(_, t)| matches!(t, weir_nodes::triggers::Trigger::Mqtt(_)))
-        });
+        let sources = self.flows.sources();
+        let needs_mqtt = sources
+            .iter()
+            .any(|s| matches!(s.trigger, weir_triggers::Trigger::Mqtt(_)));
         if needs_mqtt {
             // Every broker is resolved before anything starts: a bad one starts nothing.
             weir_triggers::mqtt::spawn_all(
                 self.queue.clone(),
-                &self.flows,
+                &sources,
                 &self.mqtt,
                 self.intake.clone(),
                 &self.tracker,
@@ -257,12 +261,7 @@ impl Reloader {
             )
             .map_err(EngineError::Config)?;
         }
-        weir_triggers::cron::spawn_all(
-            self.queue.clone(),
-            &self.flows,
-            &self.tracker,
-            token.clone(),
-        );
+        weir_triggers::cron::spawn_all(self.queue.clone(), &sources, &self.tracker, token.clone());
         Ok(())
     }
 
@@ -272,7 +271,7 @@ impl Reloader {
         let mut running = self.triggers.lock().await;
         let before: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
         let removed = self.flows.replace(next);
-        self.routes.rebuild(&self.flows);
+        self.routes.rebuild(&self.flows.sources());
         running.cancel();
         let token = self.stop.child_token();
         self.spawn_triggers(&token)?;
@@ -316,7 +315,7 @@ impl admin::Reload for Reloader {
 /// A configured engine, ready to start.
 pub struct Engine {
     queue: QueueChoice,
-    mqtt: Arc<weir_nodes::mqtt::MqttHub>,
+    mqtt: Arc<weir_triggers::mqtt::MqttHub>,
     source: FlowSource,
     flows: Arc<Flows>,
     http: SocketAddr,
@@ -420,9 +419,9 @@ impl Engine {
         );
         let (hooks, routes) = weir_triggers::webhook::router(
             queue.clone(),
-            &self.flows,
+            &self.flows.sources(),
             intake.clone(),
-            Some(executor.clone()),
+            Some(executor.starter()),
         );
         let triggers = stop.child_token();
         let reloader = Arc::new(Reloader {

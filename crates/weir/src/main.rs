@@ -37,7 +37,7 @@ enum Cmd {
         /// The MQTT broker for mqtt-in and mqtt-out: `mqtt://[USER:PASSWORD@]HOST:PORT`
         /// (credentials also from WEIR_MQTT_USERNAME / WEIR_MQTT_PASSWORD; the stem of the
         /// client ids from WEIR_MQTT_CLIENT_ID, default `weir`).
-        #[arg(long, env = "WEIR_MQTT", default_value = weir::weir_nodes::mqtt::DEFAULT_BROKER)]
+        #[arg(long, env = "WEIR_MQTT", default_value = weir::triggers::mqtt::DEFAULT_BROKER)]
         mqtt: String,
         /// Another broker, which flows name with `broker: NAME` (repeatable): `NAME=URL`.
         #[arg(long = "mqtt-broker", value_name = "NAME=URL")]
@@ -400,7 +400,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
             if retry_initial.is_zero() || retry_max < retry_initial {
                 anyhow::bail!("--retry-initial must be above 0 and at most --retry-max");
             }
-            let mut cfg = weir::weir_exec::ExecConfig {
+            let mut cfg = weir::exec::ExecConfig {
                 shutdown_grace: std::time::Duration::from_secs(grace),
                 reclaim_after: std::time::Duration::from_secs(reclaim_after.max(1)),
                 retry_base: retry_initial,
@@ -419,7 +419,7 @@ async fn run(cli: Cli, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result
                 let Some((name, url)) = b.split_once('=').filter(|(n, _)| !n.is_empty()) else {
                     anyhow::bail!(
                         "--mqtt-broker `{}`: give NAME=URL",
-                        weir::queue::shown::url(b)
+                        weir_core::redact::url(b)
                     );
                 };
                 builder = builder.mqtt_broker(name, url);
@@ -679,7 +679,7 @@ async fn call(api: &Api, method: &str, path: &str, view: show::View) -> anyhow::
 
 /// A duration as flows write them: `500ms`, `5s`, `2m`, `1h`, `1d`.
 fn duration(s: &str) -> Result<std::time::Duration, String> {
-    weir::weir_nodes::duration::parse(s)
+    weir::nodes::duration::parse(s)
 }
 
 async fn shutdown_signal() {

@@ -29,7 +29,7 @@ impl RedisQueue {
         // caller should hear so at once (a webhook answers 503), and the executor's loop does
         // the backing off.
         // In errors: the URL with its password hidden.
-        let shown = crate::shown::url(url);
+        let shown = weir_core::redact::url(url);
         let conn = match cluster_seeds(url) {
             Some(seeds) => {
                 if seeds.is_empty() {

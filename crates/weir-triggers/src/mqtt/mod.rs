@@ -1,4 +1,5 @@
-//! mqtt-in: every message becomes a journaled work item before it is acknowledged.
+//! MQTT: the transport ([`MqttHub`], [`Broker`]) and the `mqtt-in` subscriptions, where every
+//! message becomes a journaled work item before it is acknowledged.
 //!
 //! - **One connection per distinct topic filter**, whatever number of flows use it, each with
 //!   its own persistent session under a stable client id (`CLIENT_ID-in-<hash of filter>`).
@@ -20,12 +21,14 @@ use rumqttc::{AsyncClient, Event, Packet, Publish, QoS, SubscribeReasonCode};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use weir_exec::Flows;
-use weir_nodes::mqtt::{message, reconnect_delay, MqttHub};
-use weir_nodes::triggers::Trigger;
 use weir_queue::{Queue, WorkItem};
 
-use crate::webhook::Intake;
+use crate::spec::{Source, Trigger};
+use crate::Intake;
+
+mod hub;
+
+pub use hub::{message, qos, reconnect_delay, Broker, MqttHub, PublishError, DEFAULT_BROKER};
 
 /// A flow's source node on one filter.
 #[derive(Debug, Clone)]
@@ -37,11 +40,11 @@ struct Route {
 /// Messages journaled per `add` at most.
 const MAX_BATCH: usize = 512;
 
-/// Subscribe for every `mqtt-in` node of `flows`: one connection per distinct filter and
+/// Subscribe for every `mqtt-in` node among `sources`: one connection per distinct filter and
 /// broker. Fails (starting nothing) when a node names a broker the hub does not know.
 pub fn spawn_all(
     queue: Queue,
-    flows: &Flows,
+    sources: &[Source],
     hub: &MqttHub,
     intake: Intake,
     tracker: &TaskTracker,
@@ -49,20 +52,18 @@ pub fn spawn_all(
 ) -> Result<(), String> {
     type Key = (Option<String>, String);
     let mut by_filter: std::collections::BTreeMap<Key, (QoS, Vec<Route>)> = Default::default();
-    for f in flows.all() {
-        for (node, t) in f.flow.triggers() {
-            if let Trigger::Mqtt(spec) = t {
-                let e = by_filter
-                    .entry((spec.broker.clone(), spec.filter.clone()))
-                    .or_insert((spec.qos, Vec::new()));
-                if (spec.qos as u8) > (e.0 as u8) {
-                    e.0 = spec.qos;
-                }
-                e.1.push(Route {
-                    flow: f.flow.id.clone(),
-                    node: node.to_string(),
-                });
+    for s in sources {
+        if let Trigger::Mqtt(spec) = &s.trigger {
+            let e = by_filter
+                .entry((spec.broker.clone(), spec.filter.clone()))
+                .or_insert((spec.qos, Vec::new()));
+            if (spec.qos as u8) > (e.0 as u8) {
+                e.0 = spec.qos;
             }
+            e.1.push(Route {
+                flow: s.flow.clone(),
+                node: s.node.clone(),
+            });
         }
     }
     let mut plan = Vec::new();
