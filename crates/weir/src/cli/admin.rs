@@ -111,7 +111,6 @@ pub enum FlowCmd {
     Step { flow: String },
 }
 
-
 /// `weir run-flow FLOW`: a run started at the flow's `manual` node, waited for with `--wait`.
 #[derive(clap::Args)]
 pub struct RunFlow {
@@ -137,8 +136,8 @@ pub async fn run_flow(r: RunFlow) -> anyhow::Result<ExitCode> {
         timeout,
         api,
     } = r;
-    let input: serde_json::Value = serde_json::from_str(&input)
-        .with_context(|| format!("--input `{input}` is not JSON"))?;
+    let input: serde_json::Value =
+        serde_json::from_str(&input).with_context(|| format!("--input `{input}` is not JSON"))?;
     let (status, body) = request(
         &api,
         "POST",
@@ -212,20 +211,16 @@ pub async fn queue(cmd: QueueCmd, api: Api) -> anyhow::Result<ExitCode> {
         }
         QueueCmd::Show { id } => ("GET", format!("/api/items/{id}")),
         QueueCmd::Dead => ("GET", "/api/dead-letters".into()),
-        QueueCmd::Replay { id: Some(id), .. } => {
-            ("POST", format!("/api/dead-letters/{id}/replay"))
-        }
-        QueueCmd::Discard { id: Some(id), .. } => {
-            ("DELETE", format!("/api/dead-letters/{id}"))
-        }
+        QueueCmd::Replay { id: Some(id), .. } => ("POST", format!("/api/dead-letters/{id}/replay")),
+        QueueCmd::Discard { id: Some(id), .. } => ("DELETE", format!("/api/dead-letters/{id}")),
         QueueCmd::Replay { id: None, bulk } | QueueCmd::Discard { id: None, bulk } => {
             let Some(q) = bulk.query() else {
-                anyhow::bail!("give an item id, or choose dead letters with --flow, --reason or --all");
+                anyhow::bail!(
+                    "give an item id, or choose dead letters with --flow, --reason or --all"
+                );
             };
             match &cmd {
-                QueueCmd::Replay { .. } => {
-                    ("POST", format!("/api/dead-letters/replay?{q}"))
-                }
+                QueueCmd::Replay { .. } => ("POST", format!("/api/dead-letters/replay?{q}")),
                 _ => ("DELETE", format!("/api/dead-letters?{q}")),
             }
         }
@@ -240,9 +235,7 @@ pub async fn queue(cmd: QueueCmd, api: Api) -> anyhow::Result<ExitCode> {
     };
     let view = match cmd {
         QueueCmd::Stats => show::View::Stats,
-        QueueCmd::Ls { .. } | QueueCmd::Dead | QueueCmd::Outcomes { .. } => {
-            show::View::Items
-        }
+        QueueCmd::Ls { .. } | QueueCmd::Dead | QueueCmd::Outcomes { .. } => show::View::Items,
         QueueCmd::Show { .. } => show::View::Item,
         _ => show::View::Done,
     };

@@ -164,7 +164,9 @@ impl Settings {
         };
         let from_file = |v: Option<String>, id: &str, flag: Duration| -> anyhow::Result<Duration> {
             match v.filter(|_| pick(id)) {
-                Some(s) => duration(&s).map_err(|e| anyhow::anyhow!("{id} in the config file: {e}")),
+                Some(s) => {
+                    duration(&s).map_err(|e| anyhow::anyhow!("{id} in the config file: {e}"))
+                }
                 None => Ok(flag),
             }
         };
@@ -227,7 +229,8 @@ mod tests {
 
     /// The settings `weir run ARGS` gets with `file` as its config file (no environment).
     fn layered(args: &[&str], file: &str) -> anyhow::Result<Settings> {
-        let m = Cli::command().try_get_matches_from(std::iter::once("weir").chain(args.iter().copied()))?;
+        let m = Cli::command()
+            .try_get_matches_from(std::iter::once("weir").chain(args.iter().copied()))?;
         let cli = Cli::from_arg_matches(&m)?;
         Settings::over(cli.run, Some(&m), FileConfig::parse(file)?)
     }
@@ -276,10 +279,18 @@ mod tests {
 
     #[test]
     fn a_bad_value_says_where_it_came_from() {
-        let e = layered(&[], "retention = \"forever\"").unwrap_err().to_string();
+        let e = layered(&[], "retention = \"forever\"")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("retention in the config file:"), "{e}");
         let e = layered(&["--retry-initial", "10m", "--retry-max", "1m"], "").unwrap_err();
-        assert!(e.to_string().contains("--retry-initial must be above 0"), "{e}");
-        assert!(FileConfig::parse("colour = \"blue\"").is_err(), "an unknown key");
+        assert!(
+            e.to_string().contains("--retry-initial must be above 0"),
+            "{e}"
+        );
+        assert!(
+            FileConfig::parse("colour = \"blue\"").is_err(),
+            "an unknown key"
+        );
     }
 }
