@@ -99,9 +99,12 @@ pub trait ClaimsWait: Send + Sync {
 }
 
 /// A queue and the abilities its backend has: what the executor, the triggers and the admin
-/// API hold. It derefs to the core [`WorkQueue`].
+/// API hold. It derefs to the core [`WorkQueue`]; a clone is one reference more.
 #[derive(Clone)]
-pub struct Queue {
+pub struct Queue(Arc<Parts>);
+
+#[derive(Clone)]
+struct Parts {
     work: Arc<dyn WorkQueue>,
     admin: Arc<dyn Admin>,
     pausing: Arc<dyn Pausing>,
@@ -117,7 +120,7 @@ impl Queue {
     /// A backend with the abilities every backend has; `durable` is `false` where a crash
     /// loses everything (the memory backend). Add the others with the `with_` calls.
     pub fn new<Q: WorkQueue + Admin + Pausing + 'static>(q: Arc<Q>, durable: bool) -> Queue {
-        Queue {
+        Queue(Arc::new(Parts {
             work: q.clone(),
             admin: q.clone(),
             pausing: q,
@@ -127,77 +130,78 @@ impl Queue {
             quotas: None,
             claim_on_add: None,
             claims_wait: None,
-        }
+        }))
     }
 
     pub fn with_consumers(mut self, c: Arc<dyn Consumers>) -> Self {
-        self.consumers = Some(c);
+        Arc::make_mut(&mut self.0).consumers = Some(c);
         self
     }
 
     pub fn with_closing(mut self, c: Arc<dyn Closing>) -> Self {
-        self.closing = Some(c);
+        Arc::make_mut(&mut self.0).closing = Some(c);
         self
     }
 
     pub fn with_quotas(mut self, q: Arc<dyn SharedQuotas>) -> Self {
-        self.quotas = Some(q);
+        Arc::make_mut(&mut self.0).quotas = Some(q);
         self
     }
 
     pub fn with_claim_on_add(mut self, c: Arc<dyn ClaimOnAdd>) -> Self {
-        self.claim_on_add = Some(c);
+        Arc::make_mut(&mut self.0).claim_on_add = Some(c);
         self
     }
 
     pub fn with_claims_wait(mut self, c: Arc<dyn ClaimsWait>) -> Self {
-        self.claims_wait = Some(c);
+        Arc::make_mut(&mut self.0).claims_wait = Some(c);
         self
     }
 
     /// The core queue, shared.
     pub fn work(&self) -> &Arc<dyn WorkQueue> {
-        &self.work
+        &self.0.work
     }
 
     pub fn admin(&self) -> &dyn Admin {
-        &*self.admin
+        &*self.0.admin
     }
 
     pub fn pausing(&self) -> &dyn Pausing {
-        &*self.pausing
+        &*self.0.pausing
     }
 
     /// `false` for the memory backend: a crash loses everything.
     pub fn durable(&self) -> bool {
-        self.durable
+        self.0.durable
     }
 
     pub fn consumers(&self) -> Option<&dyn Consumers> {
-        self.consumers.as_deref()
+        self.0.consumers.as_deref()
     }
 
     pub fn closing(&self) -> Option<&dyn Closing> {
-        self.closing.as_deref()
+        self.0.closing.as_deref()
     }
 
     /// Quotas every engine on the backend shares (Redis); `None` where one engine holds the
     /// backend, so a quota in its memory is already the only one.
     pub fn quotas(&self) -> Option<&Arc<dyn SharedQuotas>> {
-        self.quotas.as_ref()
+        self.0.quotas.as_ref()
     }
 
     pub fn claim_on_add(&self) -> Option<&dyn ClaimOnAdd> {
-        self.claim_on_add.as_deref()
+        self.0.claim_on_add.as_deref()
     }
 
     pub fn claims_wait(&self) -> Option<&dyn ClaimsWait> {
-        self.claims_wait.as_deref()
+        self.0.claims_wait.as_deref()
     }
 
     /// How many items of `flow` are parked now.
     pub async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
         Ok(self
+            .0
             .admin
             .list(ListFilter {
                 flow: Some(flow.to_string()),
@@ -211,7 +215,7 @@ impl Queue {
 
     /// Let go of the backend at the end of a clean shutdown, where it holds anything.
     pub async fn close(&self) {
-        if let Some(c) = &self.closing {
+        if let Some(c) = &self.0.closing {
             c.close().await;
         }
     }
@@ -221,19 +225,19 @@ impl std::ops::Deref for Queue {
     type Target = dyn WorkQueue;
 
     fn deref(&self) -> &Self::Target {
-        &*self.work
+        &*self.0.work
     }
 }
 
 impl std::fmt::Debug for Queue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Queue")
-            .field("durable", &self.durable)
-            .field("consumers", &self.consumers.is_some())
-            .field("closing", &self.closing.is_some())
-            .field("quotas", &self.quotas.is_some())
-            .field("claim_on_add", &self.claim_on_add.is_some())
-            .field("claims_wait", &self.claims_wait.is_some())
+            .field("durable", &self.0.durable)
+            .field("consumers", &self.0.consumers.is_some())
+            .field("closing", &self.0.closing.is_some())
+            .field("quotas", &self.0.quotas.is_some())
+            .field("claim_on_add", &self.0.claim_on_add.is_some())
+            .field("claims_wait", &self.0.claims_wait.is_some())
             .finish()
     }
 }
