@@ -64,8 +64,8 @@ impl From<StateError> for QueueError {
     }
 }
 
-/// A claimed item: the item as journaled (with `deliveries` already bumped) and the lease that
-/// proves this engine still owns it when it commits.
+/// A claimed item: the item as journaled (with `deliveries` already bumped), the lease that
+/// proves this engine still owns it when it commits, and the backend's receipt for it.
 #[derive(Debug, Clone)]
 pub struct Claimed {
     pub item: WorkItem,
@@ -73,16 +73,42 @@ pub struct Claimed {
     pub consumer: String,
     /// The item was handed out by a step of its paused flow: it runs instead of parking again.
     pub stepped: bool,
-    /// Where the backend keeps the item, when it has such a handle (SQLite: its row), so the
-    /// commit finds it without looking its id up; 0 when it has none.
-    pub slot: u64,
-    /// The backend's name for this claim's copy of the item, when it has one (Redis: the
-    /// stream entry read), so the commit can check and acknowledge it as is; empty otherwise.
-    pub entry: String,
-    /// The item's JSON as the backend journaled it, when the claim read it as text (Redis),
-    /// so that a commit can record the finished item without encoding it again; empty
-    /// otherwise.
-    pub journaled: String,
+    /// What the backend that claimed it needs to find and check it at its commit.
+    pub receipt: Receipt,
+}
+
+/// What a backend keeps with a claim so that its commit finds and checks the item without
+/// looking it up again. Opaque outside the backends of this crate; another backend leaves
+/// it empty (`Receipt::default()`) and finds the item by its id.
+#[derive(Debug, Clone, Default)]
+pub struct Receipt {
+    /// SQLite: the item's row; 0 when unknown.
+    pub(crate) slot: u64,
+    /// Redis: the stream entry this claim read, so the commit can check and acknowledge it
+    /// as is; empty otherwise.
+    pub(crate) entry: String,
+    /// Redis: the item's JSON as journaled, so that a commit records the finished item
+    /// without encoding it again; empty otherwise.
+    pub(crate) journaled: String,
+}
+
+impl Receipt {
+    /// A receipt naming the row the item is at.
+    pub(crate) fn row(slot: u64) -> Receipt {
+        Receipt {
+            slot,
+            ..Receipt::default()
+        }
+    }
+
+    /// A receipt naming the stream entry read, with the item's JSON as journaled.
+    pub(crate) fn entry(entry: String, journaled: String) -> Receipt {
+        Receipt {
+            slot: 0,
+            entry,
+            journaled,
+        }
+    }
 }
 
 impl Claimed {
@@ -98,21 +124,24 @@ impl Claimed {
         let mut item: WorkItem = serde_json::from_str(body)?;
         item.deliveries = deliveries;
         item.not_before = None;
-        Ok(Claimed::new(item, lease, consumer, stepped, 0))
+        Ok(Claimed::new(item, lease, consumer, stepped))
     }
 
-    /// `item` claimed for `consumer` under `lease`, at `slot` (0: none), with no copy of
-    /// its journaled entry kept.
-    pub fn new(item: WorkItem, lease: u64, consumer: &str, stepped: bool, slot: u64) -> Self {
+    /// `item` claimed for `consumer` under `lease`, with an empty receipt.
+    pub fn new(item: WorkItem, lease: u64, consumer: &str, stepped: bool) -> Self {
         Claimed {
             item,
             lease,
             consumer: consumer.to_string(),
             stepped,
-            slot,
-            entry: String::new(),
-            journaled: String::new(),
+            receipt: Receipt::default(),
         }
+    }
+
+    /// The same claim with the backend's receipt.
+    pub(crate) fn with_receipt(mut self, receipt: Receipt) -> Self {
+        self.receipt = receipt;
+        self
     }
 }
 

@@ -107,7 +107,7 @@ impl Inner {
             since: now,
             at: Instant::now(),
         };
-        Some(Claimed::new(e.item.clone(), lease, consumer, stepped, 0))
+        Some(Claimed::new(e.item.clone(), lease, consumer, stepped))
     }
 
     fn insert_dead(&mut self, item: WorkItem, reason: String, at: i64) {

@@ -252,26 +252,31 @@ impl WorkQueue for RedisQueue {
             String::push(&mut rec, '\n');
             // The body as journaled (its deliveries and due time are the record's own
             // fields, which a view reads instead).
-            if claimed.journaled.is_empty() {
+            if claimed.receipt.journaled.is_empty() {
                 rec.push_str(&serde_json::to_string(item).map_err(corrupt)?);
             } else {
-                rec.push_str(&claimed.journaled);
+                rec.push_str(&claimed.receipt.journaled);
             }
             rec
         } else {
             String::new()
         };
-        let args = if kind == "ack" && effects.is_empty() && !claimed.entry.is_empty() {
+        let args = if kind == "ack" && effects.is_empty() && !claimed.receipt.entry.is_empty() {
             // The line its claim wrote in `live` (see `CLAIM`): lease, entry, the
             // deliveries before this one.
             let mut n = itoa::Buffer::new();
             let mut line = String::with_capacity(48);
             line.push_str(n.format(claimed.lease));
             String::push(&mut line, ' ');
-            line.push_str(&claimed.entry);
+            line.push_str(&claimed.receipt.entry);
             String::push(&mut line, ' ');
             line.push_str(n.format(item.deliveries.saturating_sub(1)));
-            CommitArgs::Plain([item.id.to_string(), line, claimed.entry.clone(), record])
+            CommitArgs::Plain([
+                item.id.to_string(),
+                line,
+                claimed.receipt.entry.clone(),
+                record,
+            ])
         } else {
             CommitArgs::Full([
                 item.id.to_string(),

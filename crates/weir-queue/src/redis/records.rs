@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 use ulid::Ulid;
 
-use crate::{Claimed, DoneKey, ItemState, ItemView, QueueError, WorkItem};
+use crate::{Claimed, DoneKey, ItemState, ItemView, QueueError, Receipt, WorkItem};
 
 /// An item as the scripts take it.
 #[derive(Serialize)]
@@ -82,11 +82,7 @@ impl ClaimedRow {
         consumer: &str,
     ) -> Result<Claimed, (String, serde_json::Error)> {
         match Claimed::decode(&self.body, self.deliveries, lease, consumer, self.stepped) {
-            Ok(c) => Ok(Claimed {
-                entry: self.entry,
-                journaled: self.body,
-                ..c
-            }),
+            Ok(c) => Ok(c.with_receipt(Receipt::entry(self.entry, self.body))),
             Err(e) => Err((self.entry, e)),
         }
     }

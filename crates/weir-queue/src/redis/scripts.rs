@@ -4,6 +4,8 @@
 use redis::Script;
 
 pub(super) const HELPERS: &str = include_str!("scripts/helpers.lua");
+/// How a script body is wrapped with the helpers.
+const WRAP: &str = include_str!("scripts/wrap.lua");
 /// How the keys hold items (see scripts/helpers.lua). 1: a hash per item in every state; 2: a
 /// waiting or in-flight item is its stream entry and a line of `live`, a finished one a
 /// field of `out`; 3: as 2, with entries of three fields (the flow and when it was
@@ -53,9 +55,11 @@ impl Scripts {
             .replace("__FINISHED_KEPT__", &FINISHED_KEPT.to_string())
             .replace("__DEAD_CAP__", &dead_cap.max(1).to_string());
         let s = |body: &str| {
-            Script::new(&format!(
-                "{helpers}\nlocal function main()\n{body}\nend\nlocal r = main()\nflush()\nreturn r"
-            ))
+            Script::new(
+                &WRAP
+                    .replace("__HELPERS__", &helpers)
+                    .replace("__BODY__", body),
+            )
         };
         Scripts {
             add: s(include_str!("scripts/add.lua")),

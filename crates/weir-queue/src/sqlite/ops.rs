@@ -13,6 +13,7 @@ use super::schema::*;
 use super::tx::*;
 use super::writer::*;
 use super::*;
+use crate::Receipt;
 use crate::{
     now_ms, Claimed, Committed, DoneKey, ItemState, ItemView, ListFilter, Message, QueueError,
     Reply, StateError, StateKey, StateRead, Stats, Versioned, WaveEffects, WorkItem, WorkQueue,
@@ -192,13 +193,10 @@ impl WorkQueue for SqliteQueue {
                 None => decode(&t.body, cols),
             };
             match item {
-                Ok(item) => out.push(Claimed::new(
-                    item,
-                    t.lease,
-                    consumer,
-                    t.stepped,
-                    t.seq as u64,
-                )),
+                Ok(item) => out.push(
+                    Claimed::new(item, t.lease, consumer, t.stepped)
+                        .with_receipt(Receipt::row(t.seq as u64)),
+                ),
                 Err(e) => {
                     // A poison row: set aside with the reason; the ones around it go on.
                     // If setting it aside fails, the items claimed with it are still handed
@@ -235,7 +233,7 @@ impl WorkQueue for SqliteQueue {
 
     async fn commit(&self, claimed: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
         let (id, lease, flow) = (claimed.item.id, claimed.lease, claimed.item.flow.clone());
-        let seq = (claimed.slot > 0).then_some(claimed.slot as i64);
+        let seq = (claimed.receipt.slot > 0).then_some(claimed.receipt.slot as i64);
         let mut fx = fx;
         let new = NewRows::take(&mut fx)?;
         self.write_as(Wait::Commit, move |c, w| {
@@ -357,7 +355,7 @@ impl crate::ClaimOnAdd for SqliteQueue {
             item.deliveries += 1;
             // A claimed item is due now.
             item.not_before = None;
-            Claimed::new(item, lease, consumer, false, seq as u64)
+            Claimed::new(item, lease, consumer, false).with_receipt(Receipt::row(seq as u64))
         }))
     }
 }

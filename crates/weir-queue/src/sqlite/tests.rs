@@ -180,7 +180,10 @@ async fn commits_find_the_item_by_the_row_its_claim_gave() {
     let q = SqliteQueue::temporary(Failpoints::new()).unwrap();
     q.add((0..3).map(item).collect()).await.unwrap();
     let c = q.claim("a", 3, Duration::ZERO).await.unwrap();
-    assert!(c.iter().all(|c| c.slot > 0), "each claim gives the row");
+    assert!(
+        c.iter().all(|c| c.receipt.slot > 0),
+        "each claim gives the row"
+    );
     // The commit's update goes straight to the row, never a scan.
     let plan = q
         .write(|c, _| {
@@ -194,7 +197,7 @@ async fn commits_find_the_item_by_the_row_its_claim_gave() {
     assert!(!plan.contains("SCAN"), "{plan}");
     assert!(plan.contains("INTEGER PRIMARY KEY"), "{plan}");
     let mut by_id = c[1].clone();
-    by_id.slot = 0;
+    by_id.receipt.slot = 0;
     for (claimed, how) in [(&c[0], "by row"), (&by_id, "by id")] {
         let r = q
             .commit(claimed, WaveEffects::ending(End::Ack))
@@ -212,7 +215,7 @@ async fn commits_find_the_item_by_the_row_its_claim_gave() {
     // lease is not.
     assert_eq!(q.reclaim_stale(Duration::ZERO).await.unwrap(), 1);
     let again = q.claim("b", 1, Duration::ZERO).await.unwrap();
-    assert_eq!(again[0].slot, c[2].slot);
+    assert_eq!(again[0].receipt.slot, c[2].receipt.slot);
     let stale = q
         .commit(&c[2], WaveEffects::ending(End::Ack))
         .await
@@ -346,7 +349,7 @@ async fn the_items_in_flight_are_counted_as_the_file_holds_them() {
     };
     assert_eq!(ack(&c[0]).await, Committed::Done);
     let mut by_id = c[1].clone();
-    by_id.slot = 0;
+    by_id.receipt.slot = 0;
     assert_eq!(ack(&by_id).await, Committed::Done);
     assert_eq!(counted(q.clone()).await, 4);
     let dead = WaveEffects::ending(End::DeadLetter("no".into()));
@@ -437,7 +440,7 @@ async fn the_finished_items_are_kept_as_the_file_holds_them() {
     // Finished by a plain commit, by row and by id.
     assert_eq!(ack(&c[0]).await, Committed::Done);
     let mut by_id = c[1].clone();
-    by_id.slot = 0;
+    by_id.receipt.slot = 0;
     assert_eq!(ack(&by_id).await, Committed::Done);
     assert_eq!(kept(q.clone()).await, 2);
     // By a commit that writes more than its end.
@@ -520,7 +523,7 @@ async fn an_item_handed_on_as_added_is_the_item_its_row_holds() {
     q.add(vec![it.clone()]).await.unwrap();
     let got = claim.await.unwrap().unwrap();
     let handed = got[0].item.clone();
-    let seq = got[0].slot as i64;
+    let seq = got[0].receipt.slot as i64;
     let decoded = q
         .write(move |c, _| {
             let (body, id, flow, enqueued_at): (String, String, String, i64) = c.query_row(
@@ -840,7 +843,9 @@ async fn a_schema_3_file_keeps_its_items_and_drops_autoincrement() {
     let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(q.stats().await.unwrap().in_flight, 2);
     assert_eq!(
-        got.iter().map(|c| (c.item.id, c.slot)).collect::<Vec<_>>(),
+        got.iter()
+            .map(|c| (c.item.id, c.receipt.slot))
+            .collect::<Vec<_>>(),
         vec![
             (waiting.id, row(waiting.id) as u64),
             (in_flight.id, row(in_flight.id) as u64)
