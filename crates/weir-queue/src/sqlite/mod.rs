@@ -53,13 +53,18 @@ use writer::*;
 
 pub use schema::SCHEMA_VERSION;
 
+/// A read for the reading connection's thread.
+type Read = Box<dyn FnOnce(&Db<'_>) + Send>;
+
 /// The SQLite queue. `SqliteQueue::open("weir-data/queue.db", Failpoints::new())`.
 pub struct SqliteQueue {
     jobs: mpsc::Sender<Msg>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Transactions committed by the writer (each is one fsync), for benchmarks and tests.
     batches: Arc<std::sync::atomic::AtomicU64>,
-    reader: Arc<Mutex<Connection>>,
+    /// The reading connection's thread, which runs each read sent to it with the
+    /// connection's statements kept ([`SqliteQueue::read_with`]).
+    reader: mpsc::Sender<Read>,
     /// The paused flows, as committed (only this engine's writer changes them), so the
     /// check before every wave reads no row.
     paused: std::sync::RwLock<std::collections::HashSet<String>>,
@@ -142,11 +147,9 @@ impl SqliteQueue {
             "PRAGMA synchronous=FULL; PRAGMA busy_timeout=5000; PRAGMA wal_autocheckpoint=1000;",
         )
         .map_err(open_err)?;
-        // The writer's statements are prepared once each and kept (SQLite's parser is dear
-        // next to running them): those of its hot
-        // path by the writer itself (`Db`), the others in rusqlite's cache, with room for all
-        // of them, so none is prepared again for want of a place.
-        conn.set_prepared_statement_cache_capacity(64);
+        // Every statement is prepared once and kept (SQLite's parser is dear next to running
+        // them), by each connection's `Db`: rusqlite's own cache is not used.
+        conn.set_prepared_statement_cache_capacity(0);
         migrate(&mut conn).map_err(|e| match e {
             QueueError::Unavailable(m) | QueueError::Corrupt(m) => {
                 QueueError::Open(format!("{shown}: {m}"))
@@ -189,6 +192,19 @@ impl SqliteQueue {
         reader
             .execute_batch("PRAGMA query_only=1; PRAGMA busy_timeout=5000;")
             .map_err(open_err)?;
+        let (reads, to_read) = mpsc::channel::<Read>();
+        std::thread::Builder::new()
+            .name("weir-sqlite-reader".into())
+            .spawn(move || {
+                let db = Db::new(&reader);
+                // Ends when the queue is dropped, and with it the sender.
+                while let Ok(read) = to_read.recv() {
+                    // A read that panics fails alone (its caller hears the reader failed);
+                    // the next runs on.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(&db)));
+                }
+            })
+            .map_err(|e| QueueError::Open(format!("cannot start the reader thread: {e}")))?;
         let (tx, rx) = mpsc::channel();
         // Nothing is in flight: the items left so were made ready above.
         let flying = InFlight::default();
@@ -200,7 +216,7 @@ impl SqliteQueue {
             woke: false,
             waiters: Vec::new(),
             orphans: Vec::new(),
-            marked: marked_items(&conn).map_err(open_err)?,
+            marked: marked_items(&Db::new(&conn)).map_err(open_err)?,
             next_due,
             finished,
             flying,
@@ -221,7 +237,7 @@ impl SqliteQueue {
             jobs: tx,
             writer: Mutex::new(Some(handle)),
             batches,
-            reader: Arc::new(Mutex::new(reader)),
+            reader: reads,
             paused: std::sync::RwLock::new(paused),
             pausing: tokio::sync::Mutex::new(()),
             replies: Replies::default(),
@@ -275,18 +291,20 @@ impl SqliteQueue {
             .map_err(|_| QueueError::Corrupt("the writer answered with another type".into()))
     }
 
-    /// Run `f` on the reading connection, off the async threads.
+    /// Run `f` on the reading connection, on its own thread, off the async threads.
     async fn read_with<R: Send + 'static>(
         &self,
-        f: impl FnOnce(&Connection) -> Result<R, QueueError> + Send + 'static,
+        f: impl FnOnce(&Db<'_>) -> Result<R, QueueError> + Send + 'static,
     ) -> Result<R, QueueError> {
-        let reader = self.reader.clone();
-        tokio::task::spawn_blocking(move || {
-            let c = reader.lock().unwrap_or_else(|p| p.into_inner());
-            f(&c)
-        })
-        .await
-        .map_err(|e| QueueError::Unavailable(format!("reader task failed: {e}")))?
+        let (tx, rx) = oneshot::channel();
+        let read: Read = Box::new(move |db| {
+            let _ = tx.send(f(db));
+        });
+        self.reader
+            .send(read)
+            .map_err(|_| QueueError::Unavailable("the reader has stopped".into()))?;
+        rx.await
+            .map_err(|_| QueueError::Unavailable("the reader failed".into()))?
     }
 }
 

@@ -36,7 +36,7 @@ impl StateRead for SqliteQueue {
         let (flow, node) = (flow.to_string(), node.to_string());
         self.read_with(move |c| {
             let rows: Vec<(String, Option<String>, i64)> = c
-                .prepare_cached(
+                .cached(
                     "SELECT key, value, version FROM state
                      WHERE flow = ?1 AND node = ?2 AND value IS NOT NULL",
                 )?
@@ -111,7 +111,7 @@ impl WorkQueue for SqliteQueue {
         let row = Encoded::new(&item, now_ms())?;
         self.write_as(Wait::Journal, move |c, w| {
             let first: Option<String> = c
-                .prepare_cached("SELECT id FROM idempotency WHERE key = ?1")?
+                .cached("SELECT id FROM idempotency WHERE key = ?1")?
                 .query_row([&key], |r| r.get(0))
                 .optional()?;
             if let Some(first) = first {
@@ -122,7 +122,7 @@ impl WorkQueue for SqliteQueue {
             if w.ready >= max {
                 return Err(QueueError::Full(w.ready.max(0) as usize));
             }
-            c.prepare_cached("INSERT INTO idempotency (key, id, at) VALUES (?1, ?2, ?3)")?
+            c.cached("INSERT INTO idempotency (key, id, at) VALUES (?1, ?2, ?3)")?
                 .execute(params![key, row.id, now_ms()])?;
             insert(c, w, &row)?;
             Ok((id, true))
@@ -206,7 +206,7 @@ impl WorkQueue for SqliteQueue {
                     let reason = format!("undecodable item: {e}");
                     let buried = self
                         .write(move |c, w| {
-                            let n = c.prepare_cached(
+                            let n = c.cached(
                             "UPDATE items SET st = 'dead', reason = ?3, at = ?4, consumer = NULL
                              WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2",
                         )?
@@ -272,10 +272,8 @@ impl WorkQueue for SqliteQueue {
 
     async fn next_due(&self) -> Result<Option<i64>, QueueError> {
         self.read_with(|c| {
-            Ok(
-                c.prepare_cached("SELECT min(due) FROM items WHERE st = 'delayed'")?
-                    .query_row([], |r| r.get(0))?,
-            )
+            Ok(c.cached("SELECT min(due) FROM items WHERE st = 'delayed'")?
+                .query_row([], |r| r.get(0))?)
         })
         .await
     }
@@ -283,7 +281,7 @@ impl WorkQueue for SqliteQueue {
     async fn mark_done(&self, key: DoneKey, outputs: Vec<Vec<Message>>) -> Result<(), QueueError> {
         self.write(move |c, w| {
             w.marked.insert(key.item);
-            c.prepare_cached(
+            c.cached(
                 "INSERT OR REPLACE INTO done (item, node, position, outputs) VALUES (?1, ?2, ?3, ?4)",
             )?
             .execute(params![
@@ -301,9 +299,7 @@ impl WorkQueue for SqliteQueue {
         let key = key.clone();
         self.read_with(move |c| {
             let row: Option<String> = c
-                .prepare_cached(
-                    "SELECT outputs FROM done WHERE item = ?1 AND node = ?2 AND position = ?3",
-                )?
+                .cached("SELECT outputs FROM done WHERE item = ?1 AND node = ?2 AND position = ?3")?
                 .query_row(params![key.item.to_string(), key.node, key.position], |r| {
                     r.get(0)
                 })
@@ -366,7 +362,7 @@ impl crate::Admin for SqliteQueue {
         self.write(move |c, w| {
             // The finished items are the writer's to know (no index over the file).
             w.recent.forget();
-            let mut del = c.prepare_cached(DELETE_FINISHED_SQL)?;
+            let mut del = c.cached(DELETE_FINISHED_SQL)?;
             let mut outcomes = 0;
             let mut kept = std::collections::VecDeque::with_capacity(w.finished.rows.len());
             for (at, seq) in std::mem::take(&mut w.finished.rows) {
@@ -427,11 +423,26 @@ impl crate::Admin for SqliteQueue {
             };
             let now = now_ms();
             // One query per state, each on that state's own index.
-            for st in ["waiting", "delayed", "parked", "dead"] {
+            for (st, sql) in [
+                (
+                    "waiting",
+                    "SELECT count(*), min(enqueued_at) FROM items WHERE st = 'waiting'",
+                ),
+                (
+                    "delayed",
+                    "SELECT count(*), min(enqueued_at) FROM items WHERE st = 'delayed'",
+                ),
+                (
+                    "parked",
+                    "SELECT count(*), min(enqueued_at) FROM items WHERE st = 'parked'",
+                ),
+                (
+                    "dead",
+                    "SELECT count(*), min(enqueued_at) FROM items WHERE st = 'dead'",
+                ),
+            ] {
                 let (n, oldest): (i64, Option<i64>) = c
-                    .prepare_cached(&format!(
-                        "SELECT count(*), min(enqueued_at) FROM items WHERE st = '{st}'"
-                    ))?
+                    .cached(sql)?
                     .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))?;
                 let n = n as usize;
                 match st {
@@ -463,8 +474,10 @@ impl crate::Admin for SqliteQueue {
 
     async fn dead_letters(&self, n: usize) -> Result<Vec<ItemView>, QueueError> {
         self.read_with(move |c| {
-            c.prepare_cached(&format!(
-                "SELECT {ITEM_COLS} FROM items WHERE st = 'dead' ORDER BY at DESC, seq DESC LIMIT ?1"
+            c.cached(concat!(
+                "SELECT ",
+                item_cols!(),
+                " FROM items WHERE st = 'dead' ORDER BY at DESC, seq DESC LIMIT ?1"
             ))?
             .query_map([n as i64], view)?
             .map(|r| r?)
@@ -485,8 +498,10 @@ impl crate::Admin for SqliteQueue {
             // by id, until `limit` are found.
             let after = f.after.map(|a| a.to_string());
             let from = f.after.map_or(0, |a| rows_of(a).0);
-            let mut q = c.prepare_cached(&format!(
-                "SELECT {ITEM_COLS}, seq FROM items
+            let mut q = c.cached(concat!(
+                "SELECT ",
+                item_cols!(),
+                ", seq FROM items
                  WHERE seq >= ?1 AND (?2 IS NULL OR flow = ?2) AND (?3 IS NULL OR st = ?3)
                  ORDER BY seq"
             ))?;
@@ -613,7 +628,7 @@ impl crate::Pausing for SqliteQueue {
         let flow = flow.to_string();
         self.write(move |c, w| {
             let oldest: Option<(i64, String)> = c
-                .prepare_cached(
+                .cached(
                     "SELECT seq, id FROM items WHERE flow = ?1 AND st = 'parked'
                      ORDER BY ord LIMIT 1",
                 )?

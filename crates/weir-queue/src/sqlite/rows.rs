@@ -6,8 +6,14 @@ use ulid::Ulid;
 
 use crate::{now_ms, ItemKind, Message, QueueError, WorkItem, ITEM_VERSION};
 
-pub(super) const ITEM_COLS: &str =
-    "body, deliveries, due, st, consumer, since, reason, at, id, flow, enqueued_at";
+/// The columns [`view`](super::tx::view) reads, as a literal for `concat!` (every statement
+/// is a constant: the statement cache knows it by its address).
+macro_rules! item_cols {
+    () => {
+        "body, deliveries, due, st, consumer, since, reason, at, id, flow, enqueued_at"
+    };
+}
+pub(super) use item_cols;
 
 impl From<rusqlite::Error> for QueueError {
     fn from(e: rusqlite::Error) -> Self {

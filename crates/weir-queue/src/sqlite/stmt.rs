@@ -1,12 +1,13 @@
-//! The writer's connection, with its hot statements kept prepared.
+//! A connection with its statements kept prepared: the one statement cache of this backend,
+//! used by the writer's connection and the reader's alike.
 
 use rusqlite::Connection;
 
-/// The writer's connection, with the statements of its hot path kept prepared by the
-/// address of their text ([`Db::cached`]). rusqlite's own statement cache, which the
-/// other statements use, finds one by hashing its whole text, copies the text into a new
-/// key at each use, and moves the statement out of its LRU list and back: about 750
-/// instructions a use, 4 to 8 uses a request, on the thread every durable write waits for.
+/// A connection with its statements kept prepared by the address of their text
+/// ([`Db::cached`]): every statement is a constant. rusqlite's own statement cache finds one
+/// by hashing its whole text, copies the text into a new key at each use, and moves the
+/// statement out of its LRU list and back, on the thread every durable write waits for
+/// (docs/performance.md counts the difference).
 pub(super) struct Db<'c> {
     pub(super) conn: &'c Connection,
     pub(super) kept: std::cell::RefCell<Vec<(&'static str, Option<rusqlite::Statement<'c>>)>>,

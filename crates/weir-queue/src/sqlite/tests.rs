@@ -137,7 +137,7 @@ async fn claims_of_any_size_do_not_prepare_the_claim_again() {
     assert_eq!(got, 20, "1 + 2 + 3 + 5 + 7 + the last 2");
     let reprepared = q
         .write(|c, _| {
-            Ok(c.prepare_cached(CLAIM_SQL)?
+            Ok(c.cached(CLAIM_SQL)?
                 .get_status(rusqlite::StatementStatus::RePrepare))
         })
         .await

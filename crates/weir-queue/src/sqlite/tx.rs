@@ -1,6 +1,6 @@
 //! The writer's operations: plain functions over a connection inside its transaction.
 
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::{params, OptionalExtension, Row};
 use ulid::Ulid;
 
 use super::kept::*;
@@ -53,7 +53,7 @@ pub(super) fn trim_finished(c: &Db<'_>, w: &mut Writer) -> Result<(), QueueError
 }
 
 /// Drop idempotency keys past their day.
-pub(super) fn prune(conn: &Connection) -> Result<(), rusqlite::Error> {
+pub(super) fn prune(conn: &Db<'_>) -> Result<(), rusqlite::Error> {
     conn.execute(
         "DELETE FROM idempotency WHERE at < ?1",
         [now_ms() - IDEMPOTENCY_KEPT_MS],
@@ -150,7 +150,11 @@ pub(super) fn new_row(
 
 /// The condition that finds the item with an id among its millisecond's rows, with
 /// `by_id`'s parameters.
-pub(super) const BY_ID: &str = "seq BETWEEN ?1 AND ?2 AND id = ?3";
+macro_rules! by_id_sql {
+    () => {
+        "seq BETWEEN ?1 AND ?2 AND id = ?3"
+    };
+}
 
 /// The parameters of `BY_ID` for `id`.
 pub(super) fn by_id(id: Ulid) -> (i64, i64, String) {
@@ -159,8 +163,8 @@ pub(super) fn by_id(id: Ulid) -> (i64, i64, String) {
 }
 
 /// The row of the item `id`, if it is journaled.
-pub(super) fn row_of(c: &Connection, id: Ulid) -> Result<Option<i64>, rusqlite::Error> {
-    c.prepare_cached(&format!("SELECT seq FROM items WHERE {BY_ID}"))?
+pub(super) fn row_of(c: &Db<'_>, id: Ulid) -> Result<Option<i64>, rusqlite::Error> {
+    c.cached(concat!("SELECT seq FROM items WHERE ", by_id_sql!()))?
         .query_row(by_id(id), |r| r.get(0))
         .optional()
 }
@@ -273,7 +277,7 @@ pub(super) fn insert_dead(
     let Some(seq) = new_row(c, &mut w.recent, row)? else {
         return Ok(());
     };
-    c.prepare_cached(
+    c.cached(
         "INSERT INTO items (seq, id, flow, st, deliveries, reason, at, enqueued_at, body)
          VALUES (?8, ?1, ?2, 'dead', ?3, ?4, ?5, ?6, ?7)",
     )?
@@ -342,18 +346,21 @@ pub(super) fn view(r: &Row<'_>) -> rusqlite::Result<Result<ItemView, QueueError>
     }))
 }
 
-pub(super) fn get_view(c: &Connection, id: Ulid) -> Result<Option<ItemView>, QueueError> {
-    c.prepare_cached(&format!("SELECT {ITEM_COLS} FROM items WHERE {BY_ID}"))?
-        .query_row(by_id(id), view)
-        .optional()?
-        .transpose()
+pub(super) fn get_view(c: &Db<'_>, id: Ulid) -> Result<Option<ItemView>, QueueError> {
+    c.cached(concat!(
+        "SELECT ",
+        item_cols!(),
+        " FROM items WHERE ",
+        by_id_sql!()
+    ))?
+    .query_row(by_id(id), view)
+    .optional()?
+    .transpose()
 }
 
-pub(super) fn read_state(c: &Connection, key: &StateKey) -> Result<Versioned, QueueError> {
+pub(super) fn read_state(c: &Db<'_>, key: &StateKey) -> Result<Versioned, QueueError> {
     let row: Option<(Option<String>, i64)> = c
-        .prepare_cached(
-            "SELECT value, version FROM state WHERE flow = ?1 AND node = ?2 AND key = ?3",
-        )?
+        .cached("SELECT value, version FROM state WHERE flow = ?1 AND node = ?2 AND key = ?3")?
         .query_row(params![key.flow, key.node, key.key], |r| {
             Ok((r.get(0)?, r.get(1)?))
         })
@@ -368,12 +375,12 @@ pub(super) fn read_state(c: &Connection, key: &StateKey) -> Result<Versioned, Qu
 }
 
 pub(super) fn write_state(
-    c: &Connection,
+    c: &Db<'_>,
     key: &StateKey,
     value: Option<&serde_json::Value>,
 ) -> Result<(), QueueError> {
     let value = value.map(json).transpose()?;
-    c.prepare_cached(
+    c.cached(
         "INSERT INTO state (flow, node, key, value, version) VALUES (?1, ?2, ?3, ?4, 1)
          ON CONFLICT (flow, node, key) DO UPDATE SET value = excluded.value, version = version + 1",
     )?
@@ -381,9 +388,9 @@ pub(super) fn write_state(
     Ok(())
 }
 
-pub(super) fn item_state(c: &Connection, id: Ulid) -> Result<Option<String>, QueueError> {
+pub(super) fn item_state(c: &Db<'_>, id: Ulid) -> Result<Option<String>, QueueError> {
     Ok(
-        c.prepare_cached(&format!("SELECT st FROM items WHERE {BY_ID}"))?
+        c.cached(concat!("SELECT st FROM items WHERE ", by_id_sql!()))?
             .query_row(by_id(id), |r| r.get(0))
             .optional()?,
     )
@@ -391,7 +398,7 @@ pub(super) fn item_state(c: &Connection, id: Ulid) -> Result<Option<String>, Que
 
 /// End `id` as finished with `outcome`, and count it among the finished items kept.
 pub(super) fn finish(
-    c: &Connection,
+    c: &Db<'_>,
     w: &mut Writer,
     id: Ulid,
     outcome: &str,
@@ -405,13 +412,13 @@ pub(super) fn finish(
 
 /// End the row `seq` as finished with `outcome`, and count it among the finished items kept.
 pub(super) fn finish_row(
-    c: &Connection,
+    c: &Db<'_>,
     w: &mut Writer,
     seq: i64,
     outcome: &str,
     now: i64,
 ) -> Result<(), QueueError> {
-    c.prepare_cached(
+    c.cached(
         "UPDATE items SET st = 'finished', reason = ?2, at = ?3, due = NULL, consumer = NULL,
                           stepped = 0
          WHERE seq = ?1",
@@ -498,7 +505,10 @@ pub(super) fn commit_wave(
         }
     }
     let owner: Option<(String, i64, i64)> = c
-        .prepare_cached(&format!("SELECT st, lease, seq FROM items WHERE {BY_ID}"))?
+        .cached(concat!(
+            "SELECT st, lease, seq FROM items WHERE ",
+            by_id_sql!()
+        ))?
         .query_row(by_id(id), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
         .optional()?;
     let row = match owner {
@@ -531,21 +541,21 @@ pub(super) fn commit_wave(
         insert_dead(c, w, row, reason, now)?;
     }
     if w.marked.remove(&id) {
-        c.prepare_cached("DELETE FROM done WHERE item = ?1")?
+        c.cached("DELETE FROM done WHERE item = ?1")?
             .execute([id.to_string()])?;
     }
     match fx.end.unwrap_or(End::Ack) {
         End::Ack => finish_row(c, w, row, fx.outcome.as_deref().unwrap_or("done"), now)?,
         End::Superseded => finish_row(c, w, row, "superseded by a newer timer", now)?,
         End::DeadLetter(reason) => {
-            c.prepare_cached(
+            c.cached(
                 "UPDATE items SET st = 'dead', reason = ?2, at = ?3, consumer = NULL, stepped = 0
                  WHERE seq = ?1",
             )?
             .execute(params![row, reason, now])?;
         }
         End::Park => {
-            c.prepare_cached(
+            c.cached(
                 "UPDATE items SET st = 'parked', consumer = NULL, stepped = 0 WHERE seq = ?1",
             )?
             .execute([row])?;
@@ -555,8 +565,8 @@ pub(super) fn commit_wave(
     Ok(Committed::Done)
 }
 
-pub(super) fn is_paused(c: &Connection, flow: &str) -> Result<bool, QueueError> {
-    Ok(c.prepare_cached("SELECT 1 FROM paused WHERE flow = ?1")?
+pub(super) fn is_paused(c: &Db<'_>, flow: &str) -> Result<bool, QueueError> {
+    Ok(c.cached("SELECT 1 FROM paused WHERE flow = ?1")?
         .query_row([flow], |_| Ok(()))
         .optional()?
         .is_some())
@@ -611,16 +621,16 @@ pub(super) fn claim_ready(
 /// Make the items matched by `sql` (which selects `seq`, in the order wanted) ready, each
 /// at the back of the ready order.
 pub(super) fn make_ready(
-    c: &Connection,
+    c: &Db<'_>,
     w: &mut Writer,
-    sql: &str,
+    sql: &'static str,
     args: impl rusqlite::Params,
 ) -> Result<usize, QueueError> {
     let seqs: Vec<i64> = c
-        .prepare_cached(sql)?
+        .cached(sql)?
         .query_map(args, |r| r.get(0))?
         .collect::<Result<_, _>>()?;
-    let mut up = c.prepare_cached(
+    let mut up = c.cached(
         "UPDATE items SET st = 'waiting', due = NULL, consumer = NULL, ord = ?2 WHERE seq = ?1",
     )?;
     for seq in &seqs {

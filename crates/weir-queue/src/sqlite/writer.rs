@@ -16,7 +16,7 @@ use crate::{now_ms, QueueError};
 /// After a rolled-back batch: what the writer keeps in memory of the file (the ready count,
 /// the marked items, the items in flight and the finished ones) read from it again, since
 /// the batch had moved it.
-pub(super) fn recount_after_rollback(conn: &Connection, w: &mut Writer) {
+pub(super) fn recount_after_rollback(conn: &Db<'_>, w: &mut Writer) {
     if let Ok(n) = conn.query_row("SELECT count(*) FROM items WHERE st = 'waiting'", [], |r| {
         r.get(0)
     }) {
@@ -269,7 +269,7 @@ pub(super) fn gather(
 /// and the whole transaction is rolled back with every member told. No savepoint per job:
 /// they cost a copy of every page a job touches, and a failure halfway is rare.
 pub(super) fn guarded<R>(
-    conn: &Connection,
+    conn: &Db<'_>,
     poison: &mut Option<String>,
     f: impl FnOnce() -> Result<R, QueueError>,
 ) -> Result<R, QueueError> {
@@ -289,11 +289,9 @@ pub(super) fn guarded<R>(
 }
 
 /// The items that have done markers.
-pub(super) fn marked_items(
-    c: &Connection,
-) -> Result<std::collections::HashSet<Ulid>, rusqlite::Error> {
+pub(super) fn marked_items(c: &Db<'_>) -> Result<std::collections::HashSet<Ulid>, rusqlite::Error> {
     let ids: Vec<String> = c
-        .prepare_cached("SELECT DISTINCT item FROM done")?
+        .cached("SELECT DISTINCT item FROM done")?
         .query_map([], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     Ok(ids
@@ -303,7 +301,7 @@ pub(super) fn marked_items(
 }
 
 /// Make the delayed items due now ready, and look up when the next one is due.
-pub(super) fn promote_due(c: &Connection, w: &mut Writer) -> Result<(), QueueError> {
+pub(super) fn promote_due(c: &Db<'_>, w: &mut Writer) -> Result<(), QueueError> {
     make_ready(
         c,
         w,
@@ -311,7 +309,7 @@ pub(super) fn promote_due(c: &Connection, w: &mut Writer) -> Result<(), QueueErr
         [now_ms()],
     )?;
     w.next_due = c
-        .prepare_cached("SELECT min(due) FROM items WHERE st = 'delayed'")?
+        .cached("SELECT min(due) FROM items WHERE st = 'delayed'")?
         .query_row([], |r| r.get(0))?;
     Ok(())
 }
@@ -380,12 +378,8 @@ pub(super) fn serve_waiters(
 
 /// Make ready again the items in flight at `seqs` (claimed for a claimer that was gone, or
 /// taken back from a stalled one; their deliveries stay counted); how many there were.
-pub(super) fn ready_again(
-    c: &Connection,
-    w: &mut Writer,
-    seqs: &[i64],
-) -> Result<usize, QueueError> {
-    let mut up = c.prepare_cached(
+pub(super) fn ready_again(c: &Db<'_>, w: &mut Writer, seqs: &[i64]) -> Result<usize, QueueError> {
+    let mut up = c.cached(
         "UPDATE items SET st = 'waiting', consumer = NULL WHERE seq = ?1 AND st = 'in_flight'",
     )?;
     let mut n = 0;
