@@ -1,5 +1,5 @@
 //! MQTT nodes: `mqtt-out`, which publishes through the engine's
-//! [`MqttHub`](weir_triggers::mqtt::MqttHub), and the config of the `mqtt-in` source (whose
+//! [`MqttHub`], and the config of the `mqtt-in` source (whose
 //! subscriptions weir-triggers runs).
 
 use std::sync::Arc;

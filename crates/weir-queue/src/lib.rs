@@ -2,9 +2,12 @@
 //!
 //! Every external event becomes a [`WorkItem`] journaled through [`WorkQueue::add`] before
 //! anything runs; the executor claims items, runs their waves, and ends each item with exactly
-//! one [`WorkQueue::commit`] that carries all of the wave's effects. The [`memory`] backend is
-//! for tests and throwaway runs (`durable: false`); durable backends plug in behind the same
-//! trait and run the same [`conformance`] suite.
+//! one [`WorkQueue::commit`] that carries all of the wave's effects. [`WorkQueue`] is the core
+//! every backend implements; what a backend may do besides (the operator's view, pausing,
+//! consumers, shared quotas, claiming as it journals) is a trait of [`capability`], and a
+//! [`Queue`] carries the core with the abilities its backend has. The [`memory`] backend is
+//! for tests and throwaway runs (not durable); [`sqlite`] is the embedded default and
+//! [`redis`] lets several engines share the work. All run the same [`conformance`] suite.
 
 pub mod capability;
 mod item;

@@ -19,7 +19,7 @@ use serde_json::json;
 use crate::{Queue, WorkItem};
 
 /// Expand every conformance case into a `#[tokio::test]` for the backend that `$make` builds
-/// (a closure from [`Failpoints`] to a future of a [`Queue`](crate::Queue)).
+/// (a closure from [`Failpoints`](crate::Failpoints) to a future of a [`Queue`](crate::Queue)).
 #[macro_export]
 macro_rules! conformance_tests {
     ($make:expr) => {
