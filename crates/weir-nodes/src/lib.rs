@@ -2,8 +2,9 @@
 //!
 //! A node type is a [`NodeFactory`]: it deserializes its YAML fields into a plain config
 //! struct (positions kept, so every mistake is reported at its `file:line:column`), checks
-//! them, and builds a [`Node`]. [`Library::load_paths`] reads every flow of some files and folders, builds
-//! every node, wires the graph, and reports every problem of every file at once.
+//! them, and builds a [`Node`]. [`Library::load_paths`] reads every flow of some files and
+//! folders, builds every node, wires the graph, and reports every problem of every file at
+//! once.
 
 mod delay;
 pub mod duration;
