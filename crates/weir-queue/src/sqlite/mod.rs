@@ -56,6 +56,9 @@ pub use schema::SCHEMA_VERSION;
 /// A read for the reading connection's thread.
 type Read = Box<dyn FnOnce(&Db<'_>) + Send>;
 
+/// Reads waiting for the reading connection at most; past it a caller waits for room.
+const READS_WAITING: usize = 1024;
+
 /// The SQLite queue. `SqliteQueue::open("weir-data/queue.db", Failpoints::new())`.
 pub struct SqliteQueue {
     jobs: mpsc::Sender<Msg>,
@@ -64,7 +67,7 @@ pub struct SqliteQueue {
     batches: Arc<std::sync::atomic::AtomicU64>,
     /// The reading connection's thread, which runs each read sent to it with the
     /// connection's statements kept ([`SqliteQueue::read_with`]).
-    reader: mpsc::Sender<Read>,
+    reader: tokio::sync::mpsc::Sender<Read>,
     /// The paused flows, as committed (only this engine's writer changes them), so the
     /// check before every wave reads no row.
     paused: std::sync::RwLock<std::collections::HashSet<String>>,
@@ -192,13 +195,13 @@ impl SqliteQueue {
         reader
             .execute_batch("PRAGMA query_only=1; PRAGMA busy_timeout=5000;")
             .map_err(open_err)?;
-        let (reads, to_read) = mpsc::channel::<Read>();
+        let (reads, mut to_read) = tokio::sync::mpsc::channel::<Read>(READS_WAITING);
         std::thread::Builder::new()
             .name("weir-sqlite-reader".into())
             .spawn(move || {
                 let db = Db::new(&reader);
                 // Ends when the queue is dropped, and with it the sender.
-                while let Ok(read) = to_read.recv() {
+                while let Some(read) = to_read.blocking_recv() {
                     // A read that panics fails alone (its caller hears the reader failed);
                     // the next runs on.
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(&db)));
@@ -300,9 +303,17 @@ impl SqliteQueue {
         let read: Read = Box::new(move |db| {
             let _ = tx.send(f(db));
         });
-        self.reader
-            .send(read)
-            .map_err(|_| QueueError::Unavailable("the reader has stopped".into()))?;
+        let stopped = |_| QueueError::Unavailable("the reader has stopped".into());
+        match self.reader.try_send(read) {
+            Ok(()) => {}
+            // Past the bound a caller waits for room, counted: nothing is dropped.
+            Err(tokio::sync::mpsc::error::TrySendError::Full(read)) => {
+                ::metrics::counter!("weir_bounds_hit_total", "bound" => "sqlite_reads")
+                    .increment(1);
+                self.reader.send(read).await.map_err(|_| stopped(()))?;
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return Err(stopped(())),
+        }
         rx.await
             .map_err(|_| QueueError::Unavailable("the reader failed".into()))?
     }

@@ -888,3 +888,43 @@ async fn a_schema_3_file_keeps_its_items_and_drops_autoincrement() {
     let next = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(next.len(), 1);
 }
+
+/// Reads past the reader's bound wait for room instead of being dropped: with the reader
+/// held and more reads sent than it keeps waiting, every one is answered once it goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_past_the_readers_bound_wait_for_room_and_all_answer() {
+    let q = std::sync::Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
+    let (go, hold) = std::sync::mpsc::channel::<()>();
+    let held = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            q.read_with(move |_| {
+                let _ = hold.recv();
+                Ok(())
+            })
+            .await
+        })
+    };
+    let reads: Vec<_> = (0..READS_WAITING + 100)
+        .map(|_| {
+            let q = q.clone();
+            tokio::spawn(async move { q.get(Ulid::new()).await })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while q.reader.capacity() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the reads never filled the bound"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    go.send(()).unwrap();
+    held.await.unwrap().unwrap();
+    for r in reads {
+        assert!(
+            r.await.unwrap().unwrap().is_none(),
+            "an unknown id reads as none"
+        );
+    }
+}
