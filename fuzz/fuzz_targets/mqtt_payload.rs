@@ -3,7 +3,7 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let m = weir_nodes::mqtt::message("fuzz/topic", rumqttc::QoS::AtLeastOnce, false, data);
+    let m = weir_triggers::mqtt::message("fuzz/topic", rumqttc::QoS::AtLeastOnce, false, data);
     assert!(m.get("payload").is_some());
     let _ = weir_nodes::mqtt::payload_bytes(&m["payload"]);
 });

@@ -111,7 +111,7 @@ impl LoadedFlow {
 #[derive(Clone)]
 pub struct Library {
     factories: HashMap<String, Arc<dyn NodeFactory>>,
-    mqtt: Arc<crate::mqtt::MqttHub>,
+    mqtt: Arc<weir_triggers::mqtt::MqttHub>,
 }
 
 impl Default for Library {
@@ -147,7 +147,7 @@ impl Library {
     }
 
     /// The MQTT side the library's nodes share: which broker, and the publishing connection.
-    pub fn mqtt(&self) -> Arc<crate::mqtt::MqttHub> {
+    pub fn mqtt(&self) -> Arc<weir_triggers::mqtt::MqttHub> {
         self.mqtt.clone()
     }
 

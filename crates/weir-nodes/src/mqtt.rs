@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use weir_core::Message;
 use weir_flow::{Spanned, Yaml};
-pub use weir_triggers::mqtt::{message, qos, Broker, MqttHub, PublishError, DEFAULT_BROKER};
+use weir_triggers::mqtt::{qos, MqttHub, PublishError};
 use weir_triggers::spec::{MqttInSpec, Trigger};
 
 use crate::script::{self, Template};

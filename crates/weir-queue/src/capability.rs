@@ -158,11 +158,6 @@ impl Queue {
         self
     }
 
-    /// The core queue, shared.
-    pub fn work(&self) -> &Arc<dyn WorkQueue> {
-        &self.0.work
-    }
-
     pub fn admin(&self) -> &dyn Admin {
         &*self.0.admin
     }
@@ -178,10 +173,6 @@ impl Queue {
 
     pub fn consumers(&self) -> Option<&dyn Consumers> {
         self.0.consumers.as_deref()
-    }
-
-    pub fn closing(&self) -> Option<&dyn Closing> {
-        self.0.closing.as_deref()
     }
 
     /// Quotas every engine on the backend shares (Redis); `None` where one engine holds the

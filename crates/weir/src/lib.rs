@@ -243,9 +243,12 @@ struct Reloader {
 }
 
 impl Reloader {
-    /// Start cron and MQTT for the flows in force, under `token`.
-    fn spawn_triggers(&self, token: &CancellationToken) -> Result<(), EngineError> {
-        let sources = self.flows.sources();
+    /// Start cron and MQTT for `sources` (those of the flows in force), under `token`.
+    fn spawn_triggers(
+        &self,
+        sources: &[weir_triggers::Source],
+        token: &CancellationToken,
+    ) -> Result<(), EngineError> {
         let needs_mqtt = sources
             .iter()
             .any(|s| matches!(s.trigger, weir_triggers::Trigger::Mqtt(_)));
@@ -253,7 +256,7 @@ impl Reloader {
             // Every broker is resolved before anything starts: a bad one starts nothing.
             weir_triggers::mqtt::spawn_all(
                 self.queue.clone(),
-                &sources,
+                sources,
                 &self.mqtt,
                 self.intake.clone(),
                 &self.tracker,
@@ -261,7 +264,7 @@ impl Reloader {
             )
             .map_err(EngineError::Config)?;
         }
-        weir_triggers::cron::spawn_all(self.queue.clone(), &sources, &self.tracker, token.clone());
+        weir_triggers::cron::spawn_all(self.queue.clone(), sources, &self.tracker, token.clone());
         Ok(())
     }
 
@@ -271,10 +274,11 @@ impl Reloader {
         let mut running = self.triggers.lock().await;
         let before: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
         let removed = self.flows.replace(next);
-        self.routes.rebuild(&self.flows.sources());
+        let sources = self.flows.sources();
+        self.routes.rebuild(&sources);
         running.cancel();
         let token = self.stop.child_token();
-        self.spawn_triggers(&token)?;
+        self.spawn_triggers(&sources, &token)?;
         *running = token;
         let flows: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
         let added = flows
@@ -417,9 +421,10 @@ impl Engine {
             self.exec.clone(),
             self.failpoints.clone(),
         );
+        let sources = self.flows.sources();
         let (hooks, routes) = weir_triggers::webhook::router(
             queue.clone(),
-            &self.flows.sources(),
+            &sources,
             intake.clone(),
             Some(executor.starter()),
         );
@@ -435,7 +440,7 @@ impl Engine {
             stop: stop.clone(),
             triggers: tokio::sync::Mutex::new(triggers.clone()),
         });
-        reloader.spawn_triggers(&triggers)?;
+        reloader.spawn_triggers(&sources, &triggers)?;
         let ex_stop = stop.clone();
         tracker.spawn(async move { executor.run(ex_stop).await });
         let admin = admin::router(

@@ -227,9 +227,12 @@ mod tests {
         run: RunArgs,
     }
 
-    /// The settings `weir run ARGS` gets with `file` as its config file (no environment).
+    /// The settings `weir run ARGS` gets with `file` as its config file. The variables are
+    /// not read, so that the machine's own `WEIR_*` cannot change what these tests see
+    /// (tests/cli.rs runs the binary with them).
     fn layered(args: &[&str], file: &str) -> anyhow::Result<Settings> {
         let m = Cli::command()
+            .mut_args(|a| a.env(None::<&str>))
             .try_get_matches_from(std::iter::once("weir").chain(args.iter().copied()))?;
         let cli = Cli::from_arg_matches(&m)?;
         Settings::over(cli.run, Some(&m), FileConfig::parse(file)?)
