@@ -292,6 +292,7 @@ pub async fn wait_for_dead_letters(
 pub async fn post_admin(engine: &RunningEngine, path: &str) -> Value {
     reqwest::Client::new()
         .post(format!("http://{}{path}", engine.admin_addr))
+        .header("x-weir-client", "test")
         .send()
         .await
         .expect("engine answers")
@@ -398,6 +399,7 @@ pub fn weir_bin_with(args: &[&str]) -> std::path::PathBuf {
 pub struct WeirProcess {
     pub base: String,
     child: std::process::Child,
+    log: std::path::PathBuf,
 }
 
 impl WeirProcess {
@@ -413,10 +415,31 @@ impl WeirProcess {
         queue: &str,
         extra: &[&str],
     ) -> WeirProcess {
+        Self::start_under(bin, None, flows, queue, extra).await
+    }
+
+    /// As [`WeirProcess::start`], with at most `nofile` open files (`prlimit`), as on a
+    /// machine whose limit is low.
+    pub async fn start_limited(
+        flows: &std::path::Path,
+        queue: &str,
+        extra: &[&str],
+        nofile: u32,
+    ) -> WeirProcess {
+        Self::start_under(&weir_bin(), Some(nofile), flows, queue, extra).await
+    }
+
+    async fn start_under(
+        bin: &std::path::Path,
+        nofile: Option<u32>,
+        flows: &std::path::Path,
+        queue: &str,
+        extra: &[&str],
+    ) -> WeirProcess {
         // A port another test's process took between the probe and ours: another port.
         for _ in 0..5 {
             let port = weir_queue::testing::free_port();
-            if let Some(p) = Self::try_start(bin, flows, queue, extra, port).await {
+            if let Some(p) = Self::try_start(bin, nofile, flows, queue, extra, port).await {
                 return p;
             }
         }
@@ -425,13 +448,23 @@ impl WeirProcess {
 
     async fn try_start(
         bin: &std::path::Path,
+        nofile: Option<u32>,
         flows: &std::path::Path,
         queue: &str,
         extra: &[&str],
         port: u16,
     ) -> Option<WeirProcess> {
         let log = std::env::temp_dir().join(format!("weir-test-{port}.log"));
-        let child = std::process::Command::new(bin)
+        // prlimit sets the limit and then becomes the engine: the PID is the engine's.
+        let mut cmd = match nofile {
+            Some(n) => {
+                let mut c = std::process::Command::new("prlimit");
+                c.arg(format!("--nofile={n}:{n}")).arg("--").arg(bin);
+                c
+            }
+            None => std::process::Command::new(bin),
+        };
+        let child = cmd
             .arg("run")
             .arg(flows)
             .args(["--queue", queue, "--http", &format!("127.0.0.1:{port}")])
@@ -448,6 +481,7 @@ impl WeirProcess {
         let mut p = WeirProcess {
             base: format!("http://127.0.0.1:{port}"),
             child,
+            log: log.clone(),
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         let http = patient();
@@ -477,6 +511,11 @@ impl WeirProcess {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// What the engine has logged so far (stderr, at `WEIR_TEST_LOG` or warn).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// SIGKILL, as a crash would; waits until the process is gone.

@@ -12,6 +12,7 @@ use weir_testkit::{
 async fn delete(base: &str, path: &str) -> (u16, Value) {
     let r = reqwest::Client::new()
         .delete(format!("{base}{path}"))
+        .header("x-weir-client", "test")
         .send()
         .await
         .unwrap();
@@ -88,6 +89,7 @@ nodes:
     // Replay them all: each fails again, and is listed again (as new items).
     let r: Value = reqwest::Client::new()
         .post(format!("{base}/api/dead-letters/replay?flow=picky"))
+        .header("x-weir-client", "test")
         .send()
         .await
         .unwrap()

@@ -43,6 +43,7 @@ async fn reload_swaps_the_flows_clears_removed_ones_and_refuses_a_broken_set() {
     w("c.yaml", C);
     let r: Value = reqwest::Client::new()
         .post(format!("http://{}/api/reload", e.admin_addr))
+        .header("x-weir-client", "test")
         .send()
         .await
         .unwrap()
@@ -86,6 +87,7 @@ async fn reload_swaps_the_flows_clears_removed_ones_and_refuses_a_broken_set() {
     );
     let resp = reqwest::Client::new()
         .post(format!("http://{}/api/reload", e.admin_addr))
+        .header("x-weir-client", "test")
         .send()
         .await
         .unwrap();

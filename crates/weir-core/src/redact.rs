@@ -139,3 +139,29 @@ mod tests {
         }
     }
 }
+
+/// `text` with its control characters escaped (`\n`, `\u{1b}`…), so that what a script
+/// prints or a stored value holds cannot forge a log line or drive a terminal.
+pub fn controls(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+#[cfg(test)]
+mod control_tests {
+    #[test]
+    fn control_characters_are_escaped_and_the_rest_kept() {
+        assert_eq!(super::controls("plain é"), "plain é");
+        assert_eq!(super::controls("a\nb\u{1b}[31mc\r"), "a\\nb\\u{1b}[31mc\\r");
+    }
+}

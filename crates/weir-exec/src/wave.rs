@@ -349,7 +349,8 @@ impl Executor {
                         &mut out,
                     )
                     .with_quotas(self.queue.quotas().map(|q| &**q as _))
-                    .with_wires_out(!flow.graph.is_leaf(n));
+                    .with_wires_out(!flow.graph.is_leaf(n))
+                    .with_deadline(std::time::Instant::now() + self.cfg.node_timeout);
                     let r = match tokio::time::timeout(
                         self.cfg.node_timeout,
                         node.node.call_borrowed(&msg, &mut cx),

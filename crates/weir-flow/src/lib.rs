@@ -251,9 +251,20 @@ fn parse_nodes(v: &Yaml, report: &mut Report) -> Vec<NodeDoc> {
     out
 }
 
-/// Replace `${NAME}` in every string with the environment variable's value. A missing variable
-/// is an error at the string; the value itself is never put into a message.
+/// The fields whose text is Rhai code (a function's `script`, a switch rule's `cond`, a
+/// rate limit's `per`): a variable's value enters them as a string literal, never as code.
+const CODE_FIELDS: [&str; 3] = ["script", "cond", "per"];
+
+/// Replace `${NAME}` in every string with the environment variable's value. In code (a
+/// [`CODE_FIELDS`] field, or inside a template's `{{ }}`) the value goes in as a quoted
+/// string literal. A missing variable, a `WEIR_*` one (the engine's own settings and
+/// secrets) or a value that a template would take for code is an error at the string; the
+/// value itself is never put into a message.
 fn resolve_env(y: &mut Yaml, report: &mut Report) {
+    resolve_in(y, false, report)
+}
+
+fn resolve_in(y: &mut Yaml, code: bool, report: &mut Report) {
     match &mut y.kind {
         YamlKind::Str(s, _) if s.contains("${") => {
             let mut out = String::new();
@@ -266,7 +277,36 @@ fn resolve_env(y: &mut Yaml, report: &mut Report) {
                     return;
                 };
                 let name = &after[..end];
+                if name.starts_with("WEIR_") {
+                    report.at(
+                        y.pos,
+                        format!(
+                            "`${{{name}}}`: a flow may not read `WEIR_*` variables, which hold \
+                             the engine's own settings and secrets"
+                        ),
+                    );
+                    return;
+                }
+                // Inside a template's `{{ }}` when the text so far opens one it has not closed.
+                let in_template = {
+                    let so_far = out.as_str();
+                    so_far.rfind("{{") > so_far.rfind("}}")
+                };
                 match std::env::var(name) {
+                    Ok(v) if code || in_template => {
+                        // JSON's string syntax is also a Rhai string literal's.
+                        out.push_str(&serde_json::Value::String(v).to_string())
+                    }
+                    Ok(v) if v.contains("{{") => {
+                        report.at(
+                            y.pos,
+                            format!(
+                                "the value of `{name}` holds `{{{{`, which a template would run \
+                                 as code: use it inside `{{{{ }}}}` or in a script"
+                            ),
+                        );
+                        return;
+                    }
                     Ok(v) => out.push_str(&v),
                     Err(_) => {
                         report.at(y.pos, format!("environment variable `{name}` is not set"));
@@ -278,8 +318,11 @@ fn resolve_env(y: &mut Yaml, report: &mut Report) {
             out.push_str(rest);
             *s = out;
         }
-        YamlKind::Seq(items) => items.iter_mut().for_each(|i| resolve_env(i, report)),
-        YamlKind::Map(entries) => entries.iter_mut().for_each(|(_, v)| resolve_env(v, report)),
+        YamlKind::Seq(items) => items.iter_mut().for_each(|i| resolve_in(i, code, report)),
+        YamlKind::Map(entries) => entries.iter_mut().for_each(|(k, v)| {
+            let code = code || k.as_str().is_some_and(|k| CODE_FIELDS.contains(&k));
+            resolve_in(v, code, report)
+        }),
         _ => {}
     }
 }
@@ -456,8 +499,8 @@ mod tests {
 
     #[test]
     fn env_secrets_are_resolved_and_missing_ones_reported() {
-        std::env::set_var("WEIR_TEST_SECRET_X", "s3cret");
-        let src = "nodes:\n  a:\n    type: log\n    k: \"Bearer ${WEIR_TEST_SECRET_X}\"\n    m: ${WEIR_NOT_SET_EVER}\n";
+        std::env::set_var("FLOW_TEST_SECRET_X", "s3cret");
+        let src = "nodes:\n  a:\n    type: log\n    k: \"Bearer ${FLOW_TEST_SECRET_X}\"\n    m: ${FLOW_NOT_SET_EVER}\n";
         let mut r = Report::new("f.yaml");
         let doc = parse_flow(src, "f", &mut r).unwrap();
         assert_eq!(doc.id.value, "f");
@@ -466,7 +509,46 @@ mod tests {
             Some("Bearer s3cret")
         );
         assert_eq!(r.errors.len(), 1);
-        assert!(r.errors[0].message.contains("WEIR_NOT_SET_EVER"));
+        assert!(r.errors[0].message.contains("FLOW_NOT_SET_EVER"));
         assert!(!r.errors[0].message.contains("s3cret"));
+    }
+
+    #[test]
+    fn env_values_enter_code_as_string_literals_and_weir_names_are_refused() {
+        std::env::set_var("FLOW_TEST_CODE", "1); exit(\"owned\"); (\"");
+        std::env::set_var("FLOW_TEST_BRACES", "{{ 40 + 2 }}");
+        let src =
+            "nodes:\n  a:\n    type: function\n    script: \"let k = ${FLOW_TEST_CODE}; msg\"\n  \
+                   b:\n    type: set\n    set: { t: \"x/{{ ${FLOW_TEST_CODE} }}/y\" }\n";
+        let mut r = Report::new("f.yaml");
+        let doc = parse_flow(src, "f", &mut r).unwrap();
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        assert_eq!(
+            doc.nodes[0].body.get("script").unwrap().1.as_str(),
+            Some(r#"let k = "1); exit(\"owned\"); (\""; msg"#)
+        );
+        let set = doc.nodes[1].body.get("set").unwrap().1;
+        assert_eq!(
+            set.get("t").unwrap().1.as_str(),
+            Some(r#"x/{{ "1); exit(\"owned\"); (\"" }}/y"#)
+        );
+        for (text, says) in [
+            (
+                "k: ${WEIR_ADMIN_TOKEN}",
+                "`${WEIR_ADMIN_TOKEN}`: a flow may not read `WEIR_*`",
+            ),
+            (
+                "k: \"a/${FLOW_TEST_BRACES}\"",
+                "the value of `FLOW_TEST_BRACES` holds `{{`",
+            ),
+        ] {
+            let src = format!("nodes:\n  a:\n    type: log\n    {text}\n");
+            let mut r = Report::new("f.yaml");
+            parse_flow(&src, "f", &mut r);
+            assert_eq!(r.errors.len(), 1, "{text}");
+            let e = r.errors[0].to_string();
+            assert!(e.starts_with(&format!("f.yaml:4:8: {says}")), "{e}");
+            assert!(!r.errors[0].message.contains("40 + 2"));
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! limits so a runaway script fails its one message, never the engine.
 
 use std::cell::RefCell;
+use std::time::Instant;
 
 use rhai::{Dynamic, Engine, Scope, AST};
 use serde_json::Value;
@@ -30,17 +31,45 @@ pub fn shared() -> &'static Engine {
     SHARED.get_or_init(engine)
 }
 
-/// An engine with weir's limits: the standard library, no module resolver (a script cannot
-/// `import` a file), `print` and `debug` into the engine's log.
+/// Why a script was stopped by [`engine`]'s progress check.
+const PAST_DEADLINE: &str = "past the node's timeout";
+
+/// An engine with weir's limits: the standard library without what blocks (`sleep`) or
+/// compiles code at run time (`eval`), no module resolver (a script cannot `import` a file),
+/// a wall-clock bound (the node's timeout), and `print` and `debug` into the engine's log
+/// with their control characters escaped.
 pub fn engine() -> Engine {
     let mut e = Engine::new_raw();
     e.register_global_module(standard_library());
+    // The engine's own functions are found before the library's: these take the place of
+    // Rhai's `sleep`, which blocks the thread of the runtime the script runs on.
+    let no_sleep = || -> Result<(), Box<rhai::EvalAltResult>> {
+        Err(
+            "sleep() is not available to scripts: they may not block the engine \
+             (wait with a `delay` node)"
+                .into(),
+        )
+    };
+    e.register_fn("sleep", move |_: rhai::INT| no_sleep());
+    e.register_fn("sleep", move |_: rhai::FLOAT| no_sleep());
+    e.disable_symbol("eval");
+    e.on_progress(|ops| {
+        // Often enough that a script stops soon after its deadline, rarely enough that
+        // reading the clock costs nothing next to the operations between two reads.
+        if ops % 4096 != 0 {
+            return None;
+        }
+        let past = RUNNING.with(|r| r.borrow().deadline.is_some_and(|d| Instant::now() >= d));
+        past.then(|| Dynamic::from(PAST_DEADLINE))
+    });
     e.on_print(|text| {
+        let text = weir_core::redact::controls(text);
         RUNNING.with(|r| match &*r.borrow() {
             Running {
                 flow,
                 node,
                 item: Some(item),
+                ..
             } => {
                 tracing::info!(target: "weir::script", flow = %flow, node = %node, %item, "{text}")
             }
@@ -48,8 +77,9 @@ pub fn engine() -> Engine {
         })
     });
     e.on_debug(|text, source, pos| {
+        let text = weir_core::redact::controls(text);
         RUNNING.with(|r| match &*r.borrow() {
-            Running { flow, node, item: Some(item) } => {
+            Running { flow, node, item: Some(item), .. } => {
                 tracing::debug!(target: "weir::script", flow = %flow, node = %node, %item, %pos, "{text}")
             }
             _ => tracing::debug!(target: "weir::script", source = source.unwrap_or(""), %pos, "{text}"),
@@ -71,6 +101,8 @@ struct Running {
     flow: String,
     node: String,
     item: Option<ItemId>,
+    /// When the node's call times out: a script still running then is stopped.
+    deadline: Option<Instant>,
 }
 
 thread_local! {
@@ -84,7 +116,11 @@ pub fn running<T>(cx: &NodeCx<'_>, f: impl FnOnce() -> T) -> T {
     struct Done;
     impl Drop for Done {
         fn drop(&mut self) {
-            RUNNING.with(|r| r.borrow_mut().item = None);
+            RUNNING.with(|r| {
+                let mut r = r.borrow_mut();
+                r.item = None;
+                r.deadline = None;
+            });
         }
     }
     RUNNING.with(|r| {
@@ -94,6 +130,7 @@ pub fn running<T>(cx: &NodeCx<'_>, f: impl FnOnce() -> T) -> T {
         r.node.clear();
         r.node.push_str(cx.node);
         r.item = Some(cx.item.id);
+        r.deadline = cx.deadline();
     });
     let _done = Done;
     f()
@@ -241,6 +278,9 @@ pub fn run_error(e: Box<rhai::EvalAltResult>) -> NodeError {
         E::ErrorTooManyOperations(pos) => NodeError::Permanent(format!(
             "script stopped at {pos}: more than {MAX_OPERATIONS} operations (a runaway loop?)"
         )),
+        E::ErrorTerminated(_, pos) => NodeError::Permanent(format!(
+            "script stopped at {pos}: still running {PAST_DEADLINE}"
+        )),
         other => NodeError::Permanent(format!("script failed: {other}")),
     }
 }
@@ -363,6 +403,46 @@ pub fn delete_path(msg: &mut Value, path: &str) {
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, Instant};
+
+    fn run_script(src: &str) -> Result<rhai::Dynamic, super::NodeError> {
+        let e = super::engine();
+        let ast = e
+            .compile(src)
+            .map_err(|e| super::NodeError::Permanent(e.to_string()))?;
+        e.eval_ast::<rhai::Dynamic>(&ast).map_err(super::run_error)
+    }
+
+    #[test]
+    fn a_script_cannot_sleep_and_fails_its_message_at_once() {
+        for src in ["sleep(12); 1", "sleep(1e300); 1", "sleep(-1); 1"] {
+            let t = Instant::now();
+            let e = run_script(src).unwrap_err().to_string();
+            assert!(e.contains("sleep() is not available"), "{src}: {e}");
+            assert!(t.elapsed() < Duration::from_secs(1), "{src}");
+        }
+    }
+
+    #[test]
+    fn eval_is_off() {
+        let e = run_script("eval(\"40 + 2\")").unwrap_err().to_string();
+        assert!(e.contains("eval"), "{e}");
+    }
+
+    #[test]
+    fn a_script_running_past_its_nodes_timeout_is_stopped() {
+        super::RUNNING.with(|r| r.borrow_mut().deadline = Some(Instant::now()));
+        let e = run_script("let n = 0; loop { n += 1; }");
+        super::RUNNING.with(|r| r.borrow_mut().deadline = None);
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("past the node's timeout"), "{e}");
+        // Without a deadline the same script is stopped by its operation count.
+        let e = run_script("let n = 0; loop { n += 1; }")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("operations"), "{e}");
+    }
+
     use super::*;
     use serde_json::json;
 

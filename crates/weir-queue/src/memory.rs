@@ -557,6 +557,11 @@ impl crate::Admin for MemoryQueue {
                 p.outcomes += 1;
             }
         }
+        // Idempotency keys live a day, or the retention if shorter; an item's id says when
+        // its key was set.
+        let since = before.max(now_ms() - 24 * 3600 * 1000);
+        g.idempotency
+            .retain(|_, id| i64::try_from(id.timestamp_ms()).unwrap_or(i64::MAX) >= since);
         let Inner {
             finished, entries, ..
         } = &mut *g;

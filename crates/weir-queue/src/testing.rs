@@ -92,15 +92,33 @@ pub struct RedisServer {
     pub port: u16,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    /// Further arguments to redis-server, and the password they set, if any.
+    extra: Vec<String>,
+    password: Option<String>,
 }
 
 impl RedisServer {
     pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    /// A server that asks for `password` and, as a stock one does, keeps no append-only
+    /// file; [`url`](Self::url) holds the password.
+    pub fn start_with_password(password: &str) -> RedisServer {
+        let mut s = Self::start_with(&["--requirepass", password, "--appendonly", "no"]);
+        s.password = Some(password.into());
+        s
+    }
+
+    /// A server with further arguments to redis-server (later ones win over weir's).
+    pub fn start_with(extra: &[&str]) -> RedisServer {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let mut s = RedisServer {
             port: free_port(),
             dir,
             child: None,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
+            password: None,
         };
         // A port another test's server took between the probe and ours: another port.
         for _ in 0..5 {
@@ -117,7 +135,10 @@ impl RedisServer {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        match &self.password {
+            Some(p) => format!("redis://:{p}@127.0.0.1:{}/", self.port),
+            None => format!("redis://127.0.0.1:{}/", self.port),
+        }
     }
 
     /// The server's process id while it runs.
@@ -150,6 +171,7 @@ impl RedisServer {
             .args(["--appendonly", "yes", "--appendfsync", "always"])
             .args(["--save", ""])
             .args(["--logfile", &log.display().to_string()])
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(append_to(&log))
@@ -166,7 +188,8 @@ impl RedisServer {
                 let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
                 let mut buf = [0u8; 64];
                 if s.write_all(b"PING\r\n").is_ok()
-                    && matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+                    && matches!(s.read(&mut buf), Ok(n)
+                        if buf[..n].starts_with(b"+PONG") || buf[..n].starts_with(b"-NOAUTH"))
                 {
                     return true;
                 }

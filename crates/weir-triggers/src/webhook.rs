@@ -69,17 +69,21 @@ struct Hooks {
     intake: Intake,
     /// The engine's executor, when requests may start their own waves.
     start: Option<Arc<dyn StartHere>>,
+    /// How long a request's body may take to arrive.
+    body_timeout: std::time::Duration,
 }
 
 /// The `/hooks/*` routes for every webhook among `sources`, and the handle that changes
 /// them. With `start`, a request whose wave can start at once starts it as soon as it is
 /// journaled ([`StartHere`]), not after a claim: a `respond: wave` request runs it in its own
-/// task as far as the reply, an accepted one hands it to a task of its own.
+/// task as far as the reply, an accepted one hands it to a task of its own. A body that has
+/// not arrived whole within `body_timeout` is answered 408.
 pub fn router(
     queue: Queue,
     sources: &[Source],
     intake: Intake,
     start: Option<Arc<dyn StartHere>>,
+    body_timeout: std::time::Duration,
 ) -> (Router, Routes) {
     let routes = Routes::default();
     routes.rebuild(sources);
@@ -88,6 +92,7 @@ pub fn router(
         routes: routes.clone(),
         intake,
         start,
+        body_timeout,
     };
     let r = Router::new()
         .route("/hooks/{*path}", any(handle))
@@ -113,6 +118,9 @@ fn error(status: StatusCode, msg: impl Into<String>) -> Response {
 
 /// Every webhook answer; a refused one is counted by its status (413 too large, 429 queue
 /// full, 401 unauthorized, 503 not journaled…), so a bound being hit shows in the metrics.
+/// A flow's answer is served from the engine's own origin, beside the dashboard: it is
+/// never sniffed into another type and, should it be HTML, runs in a sandbox with no
+/// access to that origin.
 async fn handle(
     state: State<Hooks>,
     path: Path<String>,
@@ -120,12 +128,21 @@ async fn handle(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let r = accept(state, path, method, headers, body).await;
+    let mut r = accept(state, path, method, headers, body).await;
     let status = r.status();
     if status.is_client_error() || status.is_server_error() {
         metrics::counter!("weir_webhook_refused_total", "status" => status.as_u16().to_string())
             .increment(1);
     }
+    let h = r.headers_mut();
+    h.insert(
+        axum::http::header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        axum::http::header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("sandbox"),
+    );
     r
 }
 
@@ -157,16 +174,40 @@ async fn accept(
             "shutting down; try again shortly",
         );
     }
-    let bytes = match to_bytes(body, hook.spec.max_body).await {
-        Ok(b) => b,
-        Err(_) => {
+    // A bearer token is checked before the body is read: a client without it costs no
+    // more than its headers. A signature covers the body, so it is checked after.
+    if let Some(auth @ Auth::Bearer { .. }) = &hook.spec.auth {
+        if !authorized(auth, &headers, &[]) {
+            return error(StatusCode::UNAUTHORIZED, "missing or wrong credentials");
+        }
+    }
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > hook.spec.max_body as u64) {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("body larger than {} bytes", hook.spec.max_body),
+        );
+    }
+    let bytes = match tokio::time::timeout(s.body_timeout, to_bytes(body, hook.spec.max_body)).await
+    {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => {
             return error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!("body larger than {} bytes", hook.spec.max_body),
             )
         }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body did not arrive within {:?}", s.body_timeout),
+            )
+        }
     };
-    if let Some(auth) = &hook.spec.auth {
+    if let Some(auth @ Auth::Hmac { .. }) = &hook.spec.auth {
         if !authorized(auth, &headers, &bytes) {
             return error(StatusCode::UNAUTHORIZED, "missing or wrong credentials");
         }
@@ -186,11 +227,27 @@ async fn accept(
     // A wave started here: run below, in this task, until its reply; what is left of it (all
     // of it, for a 202) goes on as a task of its own when it is dropped.
     let mut wave = None;
-    let added = match headers.get(IDEMPOTENCY_KEY).and_then(|v| v.to_str().ok()) {
-        Some(key) => {
-            let key = format!("{}:{}:{key}", hook.flow, hook.node);
-            s.queue.add_idempotent(&key, item).await.map(|(id, _)| id)
+    let key = match headers.get(IDEMPOTENCY_KEY).map(|v| v.as_bytes()) {
+        None => None,
+        Some([]) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the Idempotency-Key header is empty",
+            )
         }
+        Some(k) if k.len() > MAX_IDEMPOTENCY_KEY => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the Idempotency-Key is {} bytes; at most {MAX_IDEMPOTENCY_KEY}",
+                    k.len()
+                ),
+            )
+        }
+        Some(k) => Some(idempotency_key(&hook.flow, &hook.node, k)),
+    };
+    let added = match key {
+        Some(key) => s.queue.add_idempotent(&key, item).await.map(|(id, _)| id),
         None => match &s.start {
             // Journaled claimed where it can be, the wave starts here: it does not wait for
             // the executor to be handed the item and to start it.
@@ -282,6 +339,26 @@ async fn accept(
     }
 }
 
+/// The longest `Idempotency-Key` taken (as Stripe's API takes).
+const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// What the queue keeps of a request's idempotency key: its flow and node, and a hash of its
+/// bytes, whatever they are. A key of any length or alphabet costs the same to keep, and a
+/// client's own identifiers are not stored in the clear.
+pub fn idempotency_key(flow: &str, node: &str, key: &[u8]) -> String {
+    use sha2::Digest;
+    let hash = Sha256::digest(key);
+    let mut out = String::with_capacity(flow.len() + node.len() + 2 + 64);
+    out.push_str(flow);
+    out.push(':');
+    out.push_str(node);
+    out.push(':');
+    for b in hash {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
 fn authorized(auth: &Auth, headers: &HeaderMap, body: &[u8]) -> bool {
     match auth {
         Auth::Bearer { secret } => headers
@@ -334,5 +411,25 @@ pub fn decode(headers: &HeaderMap, bytes: &[u8]) -> Result<Value, Response> {
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "the body is neither JSON nor UTF-8 text",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_idempotency_key_is_kept_as_a_hash_of_any_bytes() {
+        let k = super::idempotency_key("orders", "hook", "заказ-7".as_bytes());
+        assert!(k.starts_with("orders:hook:"));
+        assert_eq!(k.len(), "orders:hook:".len() + 64);
+        assert!(!k.contains("заказ"));
+        assert_eq!(
+            k,
+            super::idempotency_key("orders", "hook", "заказ-7".as_bytes())
+        );
+        assert_ne!(k, super::idempotency_key("orders", "hook", b"order-7"));
+        assert_ne!(
+            k,
+            super::idempotency_key("orders", "other", "заказ-7".as_bytes())
+        );
     }
 }

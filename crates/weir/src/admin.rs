@@ -40,7 +40,10 @@ pub fn router(
     flows: Arc<Flows>,
     token: Option<String>,
     reload: Arc<dyn Reload>,
+    guard: crate::guard::Guard,
 ) -> Router {
+    let run_input = axum::extract::DefaultBodyLimit::max(guard.max_run_input);
+    let body = axum::extract::DefaultBodyLimit::max(guard.max_body);
     let token = token.map(Arc::new);
     let sessions = Arc::new(Sessions::default());
     let auth = (token.clone(), sessions.clone());
@@ -72,7 +75,7 @@ pub fn router(
         .route("/api/dead-letters/{id}/replay", post(replay))
         .route("/api/flows", get(flows_ls))
         .route("/api/flows/{id}/{action}", post(flow_action))
-        .route("/api/flows/{id}/runs", post(start_run))
+        .route("/api/flows/{id}/runs", post(start_run).layer(run_input))
         .route("/api/runs/{id}", get(run_status))
         .route("/api/reload", post(reload_flows))
         .layer(axum::middleware::from_fn(move |req, next| {
@@ -81,6 +84,11 @@ pub fn router(
                 authorize(token.as_deref().map(String::as_str), &sessions, req, next).await
             }
         }))
+        // Outermost: a request from a web page is refused before it is authorized.
+        .layer(axum::middleware::from_fn(move |req, next| {
+            guard.clone().check(req, next)
+        }))
+        .layer(body)
         .with_state(Admin {
             queue,
             flows,

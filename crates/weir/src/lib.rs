@@ -18,7 +18,9 @@
 
 mod admin;
 mod dashboard;
+mod guard;
 mod metrics;
+mod serve;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -43,6 +45,8 @@ pub use weir_queue as queue;
 pub use weir_queue::{MemoryQueue, Queue, WorkQueue};
 pub use weir_state as state;
 pub use weir_triggers as triggers;
+
+pub use serve::HttpLimits;
 
 /// Why an engine could not be built or started. Each message is whole on its own: the
 /// wrapped errors are shown through (`transparent`), not again as a cause, so a chain
@@ -82,11 +86,18 @@ pub struct EngineBuilder {
     http: SocketAddr,
     admin: Option<SocketAddr>,
     admin_token: Option<String>,
+    limits: HttpLimits,
     exec: ExecConfig,
     failpoints: Failpoints,
 }
 
 impl EngineBuilder {
+    /// How the HTTP listeners bound their clients: connections, timeouts, body sizes.
+    pub fn http_limits(mut self, limits: HttpLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
     /// Serve the admin API (`/api`, `/metrics`, `/healthz`, `/readyz`) on its own address
     /// instead of beside the webhooks.
     pub fn admin(mut self, addr: SocketAddr) -> Self {
@@ -187,6 +198,7 @@ impl EngineBuilder {
             http: self.http,
             admin: self.admin,
             admin_token: self.admin_token,
+            limits: self.limits,
             exec: self.exec,
             failpoints: self.failpoints,
         })
@@ -325,6 +337,7 @@ pub struct Engine {
     http: SocketAddr,
     admin: Option<SocketAddr>,
     admin_token: Option<String>,
+    limits: HttpLimits,
     exec: ExecConfig,
     failpoints: Failpoints,
 }
@@ -358,6 +371,7 @@ impl Engine {
             http: SocketAddr::from(([127, 0, 0, 1], 8080)),
             admin: None,
             admin_token: None,
+            limits: HttpLimits::default(),
             exec: ExecConfig::default(),
             failpoints: Failpoints::from_env(),
         }
@@ -427,6 +441,7 @@ impl Engine {
             &sources,
             intake.clone(),
             Some(executor.starter()),
+            self.limits.request_timeout,
         );
         let triggers = stop.child_token();
         let reloader = Arc::new(Reloader {
@@ -448,37 +463,34 @@ impl Engine {
             self.flows.clone(),
             self.admin_token.clone(),
             reloader.clone(),
+            guard::Guard::new(admin_addr, &self.limits, self.admin_token.is_some()),
         );
         let http_done = CancellationToken::new();
         let http = TaskTracker::new();
-        let serve = |listener: tokio::net::TcpListener, app: axum::Router, what: &'static str| {
-            let done = http_done.clone();
-            let app = app.layer(axum::extract::DefaultBodyLimit::disable());
-            http.spawn(async move {
-                use axum::serve::ListenerExt;
-                // Each answer goes out at once, as Go's and nginx's servers do: with Nagle's
-                // algorithm the last part of an answer longer than a segment may wait for
-                // the client's delayed ACK. Level on the echo bench, whose answers fit one
-                // segment.
-                let listener = listener.tap_io(|tcp| {
-                    if let Err(e) = tcp.set_nodelay(true) {
-                        tracing::debug!(error = %e, "TCP_NODELAY not set");
-                    }
-                });
-                let r = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move { done.cancelled().await })
-                    .await;
-                if let Err(e) = r {
-                    tracing::error!(error = %e, server = what, "HTTP server stopped");
-                }
-            });
-        };
+        let limits = self
+            .limits
+            .clone()
+            .fitted(1 + usize::from(admin_listener.is_some()));
         match admin_listener {
             Some((l, _)) => {
-                serve(listener, hooks, "webhooks");
-                serve(l, admin, "admin");
+                serve::spawn(
+                    &http,
+                    listener,
+                    hooks,
+                    limits.clone(),
+                    http_done.clone(),
+                    "webhooks",
+                );
+                serve::spawn(&http, l, admin, limits, http_done.clone(), "admin");
             }
-            None => serve(listener, hooks.merge(admin), "webhooks and admin"),
+            None => serve::spawn(
+                &http,
+                listener,
+                hooks.merge(admin),
+                limits,
+                http_done.clone(),
+                "webhooks and admin",
+            ),
         }
         let flows: Vec<String> = self.flows.all().iter().map(|f| f.flow.id.clone()).collect();
         tracing::info!(%addr, %admin_addr, dashboard = %format!("http://{admin_addr}/"), ?flows, durable = queue.durable(), "weir engine started");

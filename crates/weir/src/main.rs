@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the engine on a folder of flows.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Check flows; exit 1 with `file:line:column: message` for every problem.
     Validate {
         /// Flow files or folders.
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
 
 async fn dispatch(cmd: Cmd, run_matches: Option<&clap::ArgMatches>) -> anyhow::Result<ExitCode> {
     match cmd {
-        Cmd::Run(args) => cli::run::run(Settings::layer(args, run_matches)?).await,
+        Cmd::Run(args) => cli::run::run(Settings::layer(*args, run_matches)?).await,
         Cmd::Validate { paths } => Ok(cli::offline::validate(&paths)),
         Cmd::Graph { file, format } => cli::offline::graph(&file, format),
         Cmd::Backup { to, queue } => cli::offline::backup(&queue, &to),

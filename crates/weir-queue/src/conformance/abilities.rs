@@ -484,3 +484,28 @@ pub async fn list_pages_through_every_item_in_id_order(q: Q, _fp: Failpoints) {
     let waiting: Vec<Ulid> = want.into_iter().filter(|id| !flying.contains(id)).collect();
     assert_eq!(page_through(Some("waiting")).await, waiting);
 }
+
+/// An idempotency key lives no longer than retention keeps what ended (a day at most).
+pub async fn idempotency_keys_last_no_longer_than_retention(q: Q, _fp: Failpoints) {
+    // A retention of one second, as the engine's prune states it.
+    let retention = 1_000;
+    q.admin().prune(crate::now_ms() - retention).await.unwrap();
+    let (first, new) = q.add_idempotent("order-9", item("f", 1)).await.unwrap();
+    assert!(new);
+    let (again, new) = q.add_idempotent("order-9", item("f", 2)).await.unwrap();
+    assert_eq!((again, new), (first, false), "a retry within retention");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        q.admin().prune(crate::now_ms() - retention).await.unwrap();
+        let (id, new) = q.add_idempotent("order-9", item("f", 3)).await.unwrap();
+        if new {
+            assert_ne!(id, first);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the key outlived retention"
+        );
+    }
+}

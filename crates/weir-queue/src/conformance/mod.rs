@@ -38,7 +38,8 @@ macro_rules! conformance_tests {
             items_come_back_as_they_were_added, an_item_added_again_is_journaled_once,
             an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it,
             items_claimed_every_way_are_taken_back_from_a_stalled_engine,
-            list_pages_through_every_item_in_id_order
+            list_pages_through_every_item_in_id_order,
+            idempotency_keys_last_no_longer_than_retention
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

@@ -84,6 +84,9 @@ pub struct RedisQueue {
     /// channel of posted replies (or, while that is not heard, the waiter's poll finds it).
     reply_waiters: Arc<ReplyWaiters>,
     heard: Arc<Heard>,
+    /// How long an idempotency key is kept: a day, or the retention if shorter (learned
+    /// from the engine's prune, which is given what retention keeps).
+    idempotency_ttl: std::sync::atomic::AtomicI64,
     _listener: Listener,
     /// Something that must live as long as the queue (a test's own redis-server).
     _keep: Option<Box<dyn std::any::Any + Send + Sync>>,

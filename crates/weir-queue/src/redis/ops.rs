@@ -83,7 +83,10 @@ impl WorkQueue for RedisQueue {
                 p,
                 &[
                     &keys::idempotency(p, key),
-                    &IDEMPOTENCY_TTL_SECS.to_string(),
+                    &self
+                        .idempotency_ttl
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                        .to_string(),
                     &self.opts.max_ready,
                     &payload,
                 ],
@@ -522,6 +525,13 @@ impl crate::Admin for RedisQueue {
     /// server's memory policy for now.
     async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
         let mut p = crate::Pruned::default();
+        // Keys set from now on live no longer than what retention keeps; those set before
+        // expire at their own time (a day at most).
+        let kept = (crate::now_ms() - before) / 1000;
+        self.idempotency_ttl.store(
+            kept.clamp(1, IDEMPOTENCY_TTL_SECS),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let before = before.to_string();
         for shard in self.prefixes() {
             let (o, d): (usize, usize) = self

@@ -94,6 +94,9 @@ impl RedisQueue {
             opts.poll,
         ));
         let q = RedisQueue {
+            idempotency_ttl: std::sync::atomic::AtomicI64::new(
+                super::scripts::IDEMPOTENCY_TTL_SECS,
+            ),
             conn,
             shard_prefixes: (0..opts.shards.max(1))
                 .map(|k| keys::prefix(&opts.namespace, k))
@@ -188,6 +191,8 @@ impl RedisQueue {
         };
         let aof = get("appendonly").await;
         let fsync = get("appendfsync").await;
+        // The URL may hold the server's password: shown with it hidden.
+        let url = weir_core::redact::url(url);
         let _ = &mut c;
         let mut warnings = Vec::new();
         match (aof.as_deref(), fsync.as_deref()) {

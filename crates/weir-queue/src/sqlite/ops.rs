@@ -374,6 +374,8 @@ impl crate::Admin for SqliteQueue {
             }
             w.finished.rows = kept;
             let dead = c.execute("DELETE FROM items WHERE st = 'dead' AND at < ?1", [before])?;
+            // Idempotency keys live a day, or the retention if shorter.
+            c.execute("DELETE FROM idempotency WHERE at < ?1", [before])?;
             let runs = c.execute(
                 "DELETE FROM state WHERE node = ?1
                    AND json_extract(value, '$.updated_at') < ?2",

@@ -40,6 +40,13 @@ pub async fn run(s: Settings) -> anyhow::Result<ExitCode> {
         .queue_url(s.queue)
         .mqtt(s.mqtt)
         .http(s.http)
+        .http_limits(weir::HttpLimits {
+            max_connections: s.max_connections,
+            header_timeout: s.header_timeout,
+            idle_timeout: s.idle_timeout,
+            max_run_input: s.max_run_input,
+            ..Default::default()
+        })
         .exec_config(cfg)
         .build()?;
     let running = engine.start().await?;

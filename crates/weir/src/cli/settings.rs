@@ -72,6 +72,20 @@ pub struct RunArgs {
     /// count in the metrics).
     #[arg(long, default_value = "7d", value_parser = duration)]
     pub retention: Duration,
+    /// Open HTTP connections per listener at most; at the bound the longest-idle one is
+    /// closed to make room.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// How long a client may take to send a request's line and headers.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub header_timeout: Duration,
+    /// How long a kept-alive HTTP connection may sit between requests.
+    #[arg(long, default_value = "60s", value_parser = duration)]
+    pub idle_timeout: Duration,
+    /// The largest input of a run started by hand (`weir runs start`, POST
+    /// /api/flows/ID/runs), in bytes; past it, 413.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_run_input: usize,
     /// A TOML file with any of these settings (keys as the flags, with `_`; brokers in a
     /// `[brokers]` table). Precedence: defaults < file < environment < flags.
     #[arg(long, env = "WEIR_CONFIG")]
@@ -101,6 +115,10 @@ struct FileConfig {
     retention: Option<String>,
     max_in_flight: Option<usize>,
     max_parked: Option<usize>,
+    max_connections: Option<usize>,
+    header_timeout: Option<String>,
+    idle_timeout: Option<String>,
+    max_run_input: Option<usize>,
     /// Named brokers: `cloud = "mqtts://…"`.
     #[serde(default)]
     brokers: std::collections::BTreeMap<String, String>,
@@ -137,6 +155,10 @@ pub struct Settings {
     pub retention: Duration,
     pub max_in_flight: usize,
     pub max_parked: usize,
+    pub max_connections: usize,
+    pub header_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_run_input: usize,
 }
 
 impl Settings {
@@ -208,7 +230,24 @@ impl Settings {
                 .filter(|_| pick("max_parked"))
                 .unwrap_or(args.max_parked)
                 .max(1),
+            max_connections: file
+                .max_connections
+                .filter(|_| pick("max_connections"))
+                .unwrap_or(args.max_connections)
+                .max(1),
+            header_timeout: from_file(file.header_timeout, "header_timeout", args.header_timeout)?,
+            idle_timeout: from_file(file.idle_timeout, "idle_timeout", args.idle_timeout)?,
+            max_run_input: file
+                .max_run_input
+                .filter(|_| pick("max_run_input"))
+                .unwrap_or(args.max_run_input),
         };
+        if s.header_timeout.is_zero() || s.header_timeout > Duration::from_secs(30) {
+            anyhow::bail!("--header-timeout must be above 0 and at most 30s");
+        }
+        if s.idle_timeout.is_zero() {
+            anyhow::bail!("--idle-timeout must be above 0");
+        }
         if s.retry_initial.is_zero() || s.retry_max < s.retry_initial {
             anyhow::bail!("--retry-initial must be above 0 and at most --retry-max");
         }

@@ -20,7 +20,7 @@ function el(tag, attrs, ...children) {
 }
 
 async function api(method, path, body) {
-  const headers = { "X-CSRF-Token": CSRF };
+  const headers = { "X-CSRF-Token": CSRF, "X-Weir-Client": "dashboard" };
   if (body !== undefined) headers["content-type"] = "application/json";
   const r = await fetch(path, {
     method,
