@@ -794,7 +794,8 @@ impl MqttPeer {
         let mut o = rumqttc::MqttOptions::new(id, "127.0.0.1", port);
         o.set_clean_session(false)
             .set_keep_alive(Duration::from_secs(30))
-            .set_max_packet_size(1 << 20, 1 << 20)
+            // Room to publish a message larger than an engine takes (its default is 1 MiB).
+            .set_max_packet_size(4 << 20, 4 << 20)
             .set_request_channel_capacity(10_000)
             .set_inflight(inflight);
         let (client, mut events) = rumqttc::AsyncClient::new(o, 10_000);

@@ -402,3 +402,107 @@ async fn idempotency_keys_are_bounded_and_never_ignored() {
     assert_eq!(post(ok).await.0, 202);
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn state_set_of_a_value_json_cannot_hold_throws_and_keeps_the_key() {
+    let flow = r#"
+id: keep
+nodes:
+  hook: { type: webhook, path: keep, to: [mem] }
+  mem:
+    type: function
+    script: |
+      if msg.payload == 1 { state.set("k", "kept"); } else { state.set("k", Fn("f")); }
+      msg
+"#;
+    let e = start(&[("keep.yaml", flow)], Default::default()).await;
+    assert_eq!(
+        weir_testkit::post_json(&e, "keep", json!(1)).await.status(),
+        202
+    );
+    assert_eq!(
+        weir_testkit::post_json(&e, "keep", json!(2)).await.status(),
+        202
+    );
+    let dead = weir_testkit::wait_for_dead_letters(&e, 1, Duration::from_secs(10)).await;
+    let reason = dead[0]["reason"].as_str().unwrap();
+    assert!(reason.contains("the value cannot be kept"), "{reason}");
+    let key = weir::queue::StateKey::new("keep", "mem", "k");
+    let v = e.queue.read(&key).await.unwrap();
+    assert_eq!(v.value, Some(json!("kept")));
+    e.shutdown().await;
+}
+
+/// A redis-server this test owns that speaks only TLS; killed by PID when dropped.
+struct TlsRedis(std::process::Child);
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rediss_connects_over_tls_and_verifies_the_server() {
+    // A CA, and a server certificate for 127.0.0.1 signed by it.
+    let certs = tempfile::tempdir().unwrap();
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    params
+        .subject_alt_names
+        .push(rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+    let path = |f: &str| certs.path().join(f).display().to_string();
+    std::fs::write(path("ca.pem"), ca.pem()).unwrap();
+    std::fs::write(path("server.pem"), cert.pem()).unwrap();
+    std::fs::write(path("server.key"), key.serialize_pem()).unwrap();
+    let port = weir_queue::testing::free_port();
+    let child = std::process::Command::new("redis-server")
+        .args(["--port", "0", "--tls-port", &port.to_string()])
+        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--dir", &certs.path().display().to_string()])
+        .args(["--tls-cert-file", &path("server.pem")])
+        .args(["--tls-key-file", &path("server.key")])
+        .args(["--tls-ca-cert-file", &path("ca.pem")])
+        .args(["--tls-auth-clients", "no"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server starts");
+    let _server = TlsRedis(
+        weir_queue::testing::listening(child, port, Duration::from_secs(10))
+            .expect("redis-server listens for TLS"),
+    );
+    let url = format!("rediss://127.0.0.1:{port}/?ca={}", path("ca.pem"));
+    let q = weir::queue::open(&url, Default::default()).await.unwrap();
+    let item = weir::queue::WorkItem::cascade("f", "in", "test", vec![json!({ "payload": 1 })]);
+    q.add(vec![item]).await.unwrap();
+    assert_eq!(q.admin().stats().await.unwrap().ready, 1);
+    // Without the CA, the server's certificate does not verify: no connection.
+    let plain = format!("rediss://127.0.0.1:{port}/");
+    let Err(e) = weir::queue::open(&plain, Default::default()).await else {
+        panic!("connected to a server whose certificate does not verify");
+    };
+    assert!(e.to_string().contains("cannot reach Redis"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flow_named_by_a_file_follows_the_id_rule() {
+    let e = weir::Engine::builder()
+        .flow_str("bad name.yaml", "nodes: { a: { type: log } }\n")
+        .queue_url("memory")
+        .build();
+    let Err(e) = e else {
+        panic!("a flow named `bad name` loaded");
+    };
+    assert!(
+        e.to_string()
+            .contains("the file's name `bad name` is not a flow id"),
+        "{e}"
+    );
+}

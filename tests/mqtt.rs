@@ -652,3 +652,138 @@ nodes:
         e.shutdown().await;
     }
 }
+
+const BIG_IN: &str = r#"
+id: big
+nodes:
+  in: { type: mqtt-in, topic: "big/#", qos: 1, to: [out] }
+  out: { type: mqtt-out, topic: "seen/{{ msg.topic }}", qos: 1 }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_past_max_packet_is_dropped_visibly_and_the_rest_flow() {
+    let broker = Mosquitto::start();
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    let huge = vec![b'x'; 1_200_000];
+    // A retained one, sent at every subscribe.
+    device
+        .client
+        .publish(
+            "big/retained",
+            rumqttc::QoS::AtLeastOnce,
+            true,
+            huge.clone(),
+        )
+        .await
+        .unwrap();
+    let e = start_with(
+        "memory",
+        Some(&broker.url()),
+        &[("big.yaml", BIG_IN)],
+        Failpoints::new(),
+    )
+    .await;
+    let base = format!("http://{}", e.admin_addr);
+    let observer = MqttPeer::connect(broker.port, "observer", Some("seen/#")).await;
+    device.until_routed("big/probe", "probe", &observer).await;
+    device
+        .client
+        .publish("big/huge", rumqttc::QoS::AtLeastOnce, false, huge)
+        .await
+        .unwrap();
+    device
+        .client
+        .publish("big/after", rumqttc::QoS::AtLeastOnce, false, "after")
+        .await
+        .unwrap();
+    wait_for(
+        "the message behind the huge one",
+        Duration::from_secs(20),
+        || {
+            observer
+                .received()
+                .iter()
+                .any(|(t, p)| t == "seen/big/after" && p == b"after")
+        },
+    )
+    .await;
+    eventually(
+        "both huge messages counted",
+        Duration::from_secs(10),
+        || {
+            let base = base.clone();
+            async move {
+                let n = weir_testkit::metric_sum(&base, "weir_bounds_hit_total", &["mqtt_packet"])
+                    .await;
+                if n >= 2 {
+                    Ok(())
+                } else {
+                    Err(n)
+                }
+            }
+        },
+    )
+    .await;
+    assert!(
+        !observer.received().iter().any(|(t, _)| t.contains("huge")),
+        "nothing of the huge message was journaled"
+    );
+    e.shutdown().await;
+}
+
+const BIG_OUT: &str = r#"
+id: shout
+nodes:
+  loud: { type: webhook, path: loud, to: [grow] }
+  grow:
+    type: function
+    script: |
+      let s = "x";
+      while s.len() < 1200000 { s += s; }
+      msg.payload = s;
+      msg
+    to: [out]
+  quiet: { type: webhook, path: quiet, to: [out] }
+  out: { type: mqtt-out, topic: "seen/shout", qos: 1 }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_past_max_packet_fails_that_message_not_the_connection() {
+    let broker = Mosquitto::start();
+    let e = start_with(
+        "memory",
+        Some(&broker.url()),
+        &[("shout.yaml", BIG_OUT)],
+        Failpoints::new(),
+    )
+    .await;
+    let observer = MqttPeer::connect(broker.port, "observer", Some("seen/#")).await;
+    let post = |path: &'static str| {
+        let url = format!("http://{}/hooks/{path}", e.addr);
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .json(&json!("hi"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(post("quiet").await, 202);
+    assert_eq!(post("loud").await, 202);
+    let dead = weir_testkit::wait_for_dead_letters(&e, 1, Duration::from_secs(20)).await;
+    let reason = dead[0]["reason"].as_str().unwrap();
+    assert!(reason.contains("max_packet"), "{reason}");
+    assert_eq!(post("quiet").await, 202);
+    wait_for("both quiet messages out", Duration::from_secs(20), || {
+        observer
+            .received()
+            .iter()
+            .filter(|(_, p)| p == b"\"hi\"" || p == b"hi")
+            .count()
+            >= 2
+    })
+    .await;
+    e.shutdown().await;
+}

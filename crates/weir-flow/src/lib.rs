@@ -173,6 +173,16 @@ pub fn parse_flow(src: &str, stem: &str, report: &mut Report) -> Option<FlowDoc>
     if !saw_nodes {
         report.at(root.pos, "missing required field `nodes`");
     }
+    // An id taken from the file's name obeys the rule an `id:` obeys.
+    if id.value == stem && !valid_id(stem) && !entries.iter().any(|(k, _)| k.key_string() == "id") {
+        report.at(
+            Pos { line: 1, col: 1 },
+            format!(
+                "the file's name `{stem}` is not a flow id (letters, digits, `-` and `_`, at \
+                 most 128): rename the file or give the flow an `id:`"
+            ),
+        );
+    }
     Some(FlowDoc {
         file: report.file.clone(),
         id,
@@ -511,6 +521,19 @@ mod tests {
         assert_eq!(r.errors.len(), 1);
         assert!(r.errors[0].message.contains("FLOW_NOT_SET_EVER"));
         assert!(!r.errors[0].message.contains("s3cret"));
+    }
+
+    #[test]
+    fn an_id_from_the_file_name_is_checked_like_one_written() {
+        let mut r = Report::new("my flow.yaml");
+        parse_flow("nodes: {}\n", "my flow", &mut r);
+        assert_eq!(r.errors.len(), 1);
+        assert!(r.errors[0]
+            .to_string()
+            .starts_with("my flow.yaml:1:1: the file's name `my flow` is not a flow id"));
+        let mut r = Report::new("my flow.yaml");
+        parse_flow("id: mine\nnodes: {}\n", "my flow", &mut r);
+        assert!(r.errors.is_empty(), "an `id:` stands in for the name");
     }
 
     #[test]

@@ -85,13 +85,24 @@ fn engine() -> &'static Engine {
                     None => g.0.get(k).map(to_dynamic).unwrap_or(Dynamic::UNIT),
                 }
             })
-            .register_fn("set", |s: &mut ScriptState, k: &str, v: Dynamic| {
-                let v = from_dynamic(&v).ok().filter(|v| !v.is_null());
-                s.0.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .1
-                    .insert(k.to_string(), v);
-            });
+            .register_fn(
+                "set",
+                |s: &mut ScriptState,
+                 k: &str,
+                 v: Dynamic|
+                 -> Result<(), Box<rhai::EvalAltResult>> {
+                    // `()` deletes the key; a value JSON cannot hold is an error, never a
+                    // deletion by surprise.
+                    let v = from_dynamic(&v).map_err(|e| {
+                        format!("state.set(\"{k}\", …): the value cannot be kept: {e}")
+                    })?;
+                    s.0.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .1
+                        .insert(k.to_string(), Some(v).filter(|v| !v.is_null()));
+                    Ok(())
+                },
+            );
         engine
     })
 }

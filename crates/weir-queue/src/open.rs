@@ -7,7 +7,8 @@ use weir_core::{duration, redact};
 use crate::{Failpoints, MemoryQueue, Queue, QueueError, RedisOptions, RedisQueue, SqliteQueue};
 
 /// The queue a URL names: `memory`, `sqlite:PATH` (or a path ending in `.db`),
-/// `redis://HOST:PORT[/DB]` (`rediss://` for TLS), or a Redis Cluster by some of its nodes,
+/// `redis://HOST:PORT[/DB]` (`rediss://` for TLS, verified against the system's roots or the
+/// CA of `?ca=PATH`), or a Redis Cluster by some of its nodes,
 /// `redis-cluster://HOST:PORT[,HOST:PORT…]`; a Redis URL optionally with `?ns=NAME&shards=N`
 /// and `poll=DURATION` and `dead_cap=N` ([`RedisOptions`]).
 /// Every backend takes `?max_ready=N`: past that many ready items, `add` answers `Full`
@@ -77,6 +78,12 @@ fn redis_options(url: &str, max_ready: usize) -> Result<(String, RedisOptions), 
                     return Err(bad("poll", v, "a duration from 1ms to 60s"));
                 }
                 opts.poll = d;
+            }
+            Some(("ca", v)) if !v.is_empty() => {
+                if !base.starts_with("rediss") {
+                    return Err(bad("ca", v, "a CA is for TLS: write rediss://"));
+                }
+                opts.ca = Some(v.into())
             }
             Some(("dead_cap", v)) => {
                 opts.dead_cap = v

@@ -351,3 +351,20 @@ async fn a_second_waiting_claim_takes_the_next_item_in_its_own_transaction() {
         "the second item was journaled and claimed in one transaction"
     );
 }
+
+#[cfg(unix)]
+#[tokio::test]
+async fn the_queue_files_are_its_owners_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data").join("queue.db");
+    let q = SqliteQueue::open(&path, Failpoints::new()).unwrap();
+    q.add(vec![item(1)]).await.unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir.path().join("data")), 0o700);
+    for f in ["queue.db", "queue.db.lock", "queue.db-wal"] {
+        let p = dir.path().join("data").join(f);
+        assert!(p.exists(), "{f}");
+        assert_eq!(mode(&p), 0o600, "{f}");
+    }
+}

@@ -22,6 +22,9 @@ pub struct RedisOptions {
     /// an idle engine's Redis less, at the price of that much latency while the channels are
     /// not heard.
     pub poll: Duration,
+    /// With `rediss://`: the CA certificate (PEM) that signs the server's, in place of the
+    /// system's roots (the URL's `ca=PATH`).
+    pub ca: Option<std::path::PathBuf>,
 }
 
 impl Default for RedisOptions {
@@ -32,6 +35,7 @@ impl Default for RedisOptions {
             max_ready: 100_000,
             dead_cap: DEAD_CAP,
             poll: POLL,
+            ca: None,
         }
     }
 }

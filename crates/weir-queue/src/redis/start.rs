@@ -30,6 +30,21 @@ impl RedisQueue {
         // the backing off.
         // In errors: the URL with its password hidden.
         let shown = weir_core::redact::url(url);
+        // A private CA for `rediss://`, read once for every client made here.
+        let certs = match &opts.ca {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                QueueError::Open(format!("cannot read the CA {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        let tls = |root: &Vec<u8>| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(root.clone()),
+        };
+        let client_of = |url: &str| match &certs {
+            Some(root) => redis::Client::build_with_tls(url, tls(root)),
+            None => redis::Client::open(url),
+        };
         let conn = match cluster_seeds(url) {
             Some(seeds) => {
                 if seeds.is_empty() {
@@ -37,7 +52,11 @@ impl RedisQueue {
                         "`{shown}` names no node: write redis-cluster://HOST:PORT[,HOST:PORT…]"
                     )));
                 }
-                let client = redis::cluster::ClusterClientBuilder::new(seeds)
+                let mut builder = redis::cluster::ClusterClientBuilder::new(seeds);
+                if let Some(root) = &certs {
+                    builder = builder.certs(tls(root));
+                }
+                let client = builder
                     .connection_timeout(Duration::from_secs(2))
                     .response_timeout(Duration::from_secs(5))
                     .retries(2)
@@ -48,7 +67,7 @@ impl RedisQueue {
                 })?)
             }
             None => {
-                let client = redis::Client::open(url)
+                let client = client_of(url)
                     .map_err(|e| QueueError::Open(format!("`{shown}` is not a Redis URL: {e}")))?;
                 let cfg = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(Duration::from_secs(2)))
@@ -71,7 +90,7 @@ impl RedisQueue {
         let listen_on = cluster_seeds(url)
             .and_then(|seeds| seeds.into_iter().next())
             .unwrap_or_else(|| url.to_string());
-        let listen_on = redis::Client::open(listen_on.as_str())
+        let listen_on = client_of(listen_on.as_str())
             .map_err(|e| QueueError::Open(format!("`{shown}` is not a Redis URL: {e}")))?;
         let reply_waiters: Arc<ReplyWaiters> = Default::default();
         let heard: Arc<Heard> = Default::default();

@@ -111,12 +111,21 @@ impl SqliteQueue {
     ) -> Result<Self, QueueError> {
         let shown = path.display();
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| QueueError::Open(format!("cannot create {}: {e}", dir.display())))?;
+            if !dir.exists() {
+                private_dir(dir).map_err(|e| {
+                    QueueError::Open(format!("cannot create {}: {e}", dir.display()))
+                })?;
+            }
         }
         let lock_path = PathBuf::from(format!("{shown}.lock"));
-        let lock = File::create(&lock_path)
+        let lock = private_file(&lock_path)
             .map_err(|e| QueueError::Open(format!("cannot create {}: {e}", lock_path.display())))?;
+        // The queue file holds every event's payload: readable by its owner alone. SQLite
+        // gives its -wal and -shm files the database file's permissions.
+        if !path.exists() {
+            private_file(path)
+                .map_err(|e| QueueError::Open(format!("cannot create {shown}: {e}")))?;
+        }
         match lock.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
@@ -386,4 +395,22 @@ impl Drop for Unreceived {
         // A writer that has stopped leaves it in flight: the next start takes it back.
         let _ = self.jobs.send(Msg::Job(Job::Run { run, reply }));
     }
+}
+
+/// A folder only its owner may enter (0700), with its missing parents.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut b = std::fs::DirBuilder::new();
+    b.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+    b.create(dir)
+}
+
+/// Open (creating it if missing) a file only its owner may read and write (0600).
+fn private_file(path: &Path) -> std::io::Result<File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.create(true).truncate(false).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+    o.open(path)
 }

@@ -199,7 +199,12 @@ impl Broker {
         o.set_keep_alive(Duration::from_secs(30))
             .set_clean_session(false)
             .set_manual_acks(true)
-            .set_max_packet_size(self.max_packet, self.max_packet)
+            // Any packet the protocol allows is read: one the connection refused would fail
+            // it, and the broker would send it again at every reconnect, for ever, ahead of
+            // everything behind it. A message past `max_packet` is dropped after it is read
+            // (`mqtt_packet` in the bounds hit); one this engine would publish past it is
+            // refused before it is sent.
+            .set_max_packet_size(MQTT_MAX_PACKET, self.max_packet)
             .set_request_channel_capacity(4096)
             .set_inflight(self.inflight);
         if let Some(u) = &self.username {
@@ -226,6 +231,10 @@ impl Broker {
         }
     }
 }
+
+/// The largest packet MQTT allows: a remaining length of at most 268,435,455 bytes and its
+/// fixed header.
+const MQTT_MAX_PACKET: usize = 268_435_455 + 5;
 
 /// Backoff after the `n`th failure in a row: 100 ms doubling to 5 s.
 pub fn reconnect_delay(n: u32) -> Duration {
@@ -255,6 +264,8 @@ struct Publisher {
     /// This broker's publishing connections that failed in a row, for the log; handed on
     /// from each connection to the next.
     failures: Arc<std::sync::atomic::AtomicU32>,
+    /// The broker's `max_packet`: a larger message is refused before it is sent.
+    max_packet: usize,
 }
 
 impl Publisher {
@@ -387,13 +398,16 @@ impl MqttHub {
             client,
             waiters,
             failures,
+            max_packet: broker.max_packet,
         });
         all.insert(key, p.clone());
         Ok(p)
     }
 
     /// Publish through broker `name` (or the default) and wait until the broker has it
-    /// (QoS ≥ 1) or it is sent (QoS 0).
+    /// (QoS ≥ 1) or it is sent (QoS 0). A message too large for the connection's
+    /// `max_packet` fails permanently, before it is sent: it would fail the connection that
+    /// every flow publishes through.
     pub async fn publish(
         &self,
         name: Option<&str>,
@@ -408,6 +422,17 @@ impl MqttHub {
             )));
         }
         let p = self.publisher(name).await?;
+        let max_packet = p.max_packet;
+        // The packet: its fixed header (at most 5 bytes), the topic with its length, a packet
+        // id (QoS 1 and 2), the payload.
+        let size = 5 + 2 + topic.len() + 2 + payload.len();
+        if size > max_packet {
+            metrics::counter!("weir_bounds_hit_total", "bound" => "mqtt_packet").increment(1);
+            return Err(PublishError::Permanent(format!(
+                "the message to `{topic}` makes a packet of {size} bytes, more than the \
+                 broker's max_packet ({max_packet} bytes)"
+            )));
+        }
         let (tx, rx) = oneshot::channel();
         {
             // Queue the caller and the packet together, so that their orders agree.

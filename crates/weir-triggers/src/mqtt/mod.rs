@@ -40,6 +40,19 @@ struct Route {
 /// Messages journaled per `add` at most.
 const MAX_BATCH: usize = 512;
 
+/// Messages read from the broker and not yet journaled, per subscription, at most. Past it a
+/// QoS 1 or 2 message waits in the broker (the reader stops taking more); a QoS 0 one,
+/// which the broker would not send again, is dropped and counted.
+const MAX_WAITING: usize = 4 * MAX_BATCH;
+
+/// A message read from the broker, on its way to the journal. One larger than the
+/// connection's `max_packet` comes without its payload, to be acknowledged in its turn and
+/// not journaled.
+struct Arrived {
+    p: Publish,
+    oversized: bool,
+}
+
 /// Subscribe for every `mqtt-in` node among `sources`: one connection per distinct filter and
 /// broker. Fails (starting nothing) when a node names a broker the hub does not know.
 pub fn spawn_all(
@@ -83,7 +96,7 @@ pub fn spawn_all(
             "filter" => broker.subscription(&filter),
         );
         let (client, events) = AsyncClient::new(options, 1024);
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(MAX_WAITING);
         let (q, c, i, s) = (queue.clone(), client.clone(), intake.clone(), stop.clone());
         let r = routes.clone();
         tracker.spawn(async move { journal(q, c, rx, r, i, s).await });
@@ -93,6 +106,7 @@ pub fn spawn_all(
             qos,
             broker: broker.address(),
             subscribed,
+            max_packet: broker.max_packet,
         };
         let s = stop.clone();
         tracker.spawn(async move { read(events, link, tx, s).await });
@@ -122,13 +136,15 @@ struct Link {
     /// the connection fails. Meanwhile, what the broker gets for the filter reaches this
     /// engine only if its session was kept.
     subscribed: metrics::Gauge,
+    /// The largest message journaled; a larger one is acknowledged, counted and logged.
+    max_packet: usize,
 }
 
 /// Own the connection: read, hand publishes to the journal task, resubscribe on connect.
 async fn read(
     mut events: rumqttc::EventLoop,
     link: Link,
-    tx: mpsc::UnboundedSender<Publish>,
+    tx: mpsc::Sender<Arrived>,
     stop: CancellationToken,
 ) {
     let Link {
@@ -137,6 +153,7 @@ async fn read(
         qos,
         broker,
         subscribed,
+        max_packet,
     } = link;
     let mut failures = 0u32;
     subscribed.set(0.0);
@@ -165,8 +182,47 @@ async fn read(
                     subscribed.set(1.0);
                 }
             }
-            Ok(Event::Incoming(Packet::Publish(p))) => {
-                if tx.send(p).is_err() {
+            Ok(Event::Incoming(Packet::Publish(mut p))) => {
+                let oversized = p.payload.len() > max_packet;
+                if oversized {
+                    // Read, so that it does not come back at every connection and hold up
+                    // the messages behind it; acknowledged in its turn, never journaled.
+                    metrics::counter!("weir_bounds_hit_total", "bound" => "mqtt_packet")
+                        .increment(1);
+                    tracing::warn!(
+                        %broker,
+                        topic = %weir_core::redact::controls(&p.topic),
+                        bytes = p.payload.len(),
+                        max_packet,
+                        retained = p.retain,
+                        "an MQTT message larger than max_packet was dropped (acknowledged, not journaled)"
+                    );
+                    p.payload = Default::default();
+                }
+                let arrived = Arrived { p, oversized };
+                let sent = match tx.try_send(arrived) {
+                    Ok(()) => Ok(()),
+                    // A message the broker would not send again: dropped, and counted.
+                    Err(mpsc::error::TrySendError::Full(a)) if a.p.qos == QoS::AtMostOnce => {
+                        metrics::counter!("weir_bounds_hit_total", "bound" => "mqtt_intake")
+                            .increment(1);
+                        metrics::counter!("weir_mqtt_dropped_total", "filter" => filter.clone())
+                            .increment(1);
+                        Ok(())
+                    }
+                    // One the broker keeps until it is acknowledged waits for room; meanwhile
+                    // nothing more is read from this connection.
+                    Err(mpsc::error::TrySendError::Full(a)) => {
+                        metrics::counter!("weir_bounds_hit_total", "bound" => "mqtt_intake")
+                            .increment(1);
+                        tokio::select! {
+                            _ = stop.cancelled() => break,
+                            r = tx.send(a) => r.map_err(|_| ()),
+                        }
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
+                };
+                if sent.is_err() {
                     break;
                 }
             }
@@ -191,7 +247,7 @@ async fn read(
 async fn journal(
     queue: Queue,
     client: AsyncClient,
-    mut rx: mpsc::UnboundedReceiver<Publish>,
+    mut rx: mpsc::Receiver<Arrived>,
     routes: Vec<Route>,
     intake: Intake,
     stop: CancellationToken,
@@ -211,10 +267,13 @@ async fn journal(
         // Each route but the last gets a copy of the message; the last takes it.
         let build = || -> Vec<WorkItem> {
             let mut items = Vec::with_capacity(batch.len() * routes.len());
-            for p in &batch {
+            for Arrived { p, oversized } in &batch {
                 let Some((last, rest)) = routes.split_last() else {
                     continue;
                 };
+                if *oversized {
+                    continue;
+                }
                 let msg = message(&p.topic, p.qos, p.retain, &p.payload);
                 let cause = ["mqtt:", &p.topic].concat();
                 for r in rest {
@@ -249,9 +308,10 @@ async fn journal(
             });
             match queue.add(items).await {
                 Ok(()) => {
+                    let journaled = batch.iter().filter(|a| !a.oversized).count();
                     for r in &routes {
                         metrics::counter!("weir_events_total", "trigger" => "mqtt", "flow" => r.flow.clone())
-                            .increment(batch.len() as u64);
+                            .increment(journaled as u64);
                     }
                     break;
                 }
@@ -267,7 +327,7 @@ async fn journal(
                 }
             }
         }
-        for p in &batch {
+        for Arrived { p, .. } in &batch {
             if let Err(e) = client.ack(p).await {
                 tracing::warn!(error = %e, "cannot acknowledge an MQTT message; the broker will send it again");
             }

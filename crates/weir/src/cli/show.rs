@@ -32,8 +32,18 @@ fn text(v: &Value) -> String {
     }
 }
 
-/// Columns padded to their widest cell.
+/// Columns padded to their widest cell. Control characters a stored value holds (a reason,
+/// a payload, a flow's text) are shown escaped: they cannot move the cursor, recolour the
+/// terminal or forge a line.
 fn table(head: &[&str], rows: Vec<Vec<String>>) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .into_iter()
+        .map(|r| {
+            r.into_iter()
+                .map(|c| weir_core::redact::controls(&c).into_owned())
+                .collect()
+        })
+        .collect();
     let mut width: Vec<usize> = head.iter().map(|h| h.len()).collect();
     for r in &rows {
         for (i, c) in r.iter().enumerate() {
@@ -217,5 +227,17 @@ mod tests {
             &json!([{"item": {"id": "01C", "flow": "f", "node": "w", "deliveries": 0}, "state": "delayed", "due": 1_800_000_000_000i64}]),
         );
         assert!(d.contains("due 2027-01-15T08:00:00Z"), "{d}");
+    }
+
+    #[test]
+    fn stored_control_characters_are_shown_escaped() {
+        let list = json!([
+            {"item": {"id": "01A", "flow": "f", "node": "n", "deliveries": 1}, "state": "dead",
+             "reason": "bad\n01Z  done\u{1b}[2J"},
+        ]);
+        let t = render(View::Items, &list);
+        assert_eq!(t.lines().count(), 2, "{t}");
+        assert!(!t.contains('\u{1b}'), "{t}");
+        assert!(t.contains("bad\\n01Z  done\\u{1b}[2J"), "{t}");
     }
 }
