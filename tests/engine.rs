@@ -631,6 +631,10 @@ nodes:
     assert_eq!(parked(&e).await, 3);
     let flows = get_json(&e, "/api/flows").await;
     assert_eq!(flows[0]["paused"], true, "still paused after a step");
+    assert_eq!(
+        flows[0]["parked"], 3,
+        "each flow says how many it holds parked"
+    );
     post_admin(&e, "/api/flows/paused/resume").await;
     wait_for("the rest", SECS, || sink.count() == 4).await;
     assert_eq!(

@@ -506,3 +506,81 @@ async fn a_flow_named_by_a_file_follows_the_id_rule() {
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn http_request_bounds_answers_and_keeps_its_headers_at_home() {
+    use axum::routing::get;
+    // Another origin, which records whatever reaches it.
+    let stolen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let s2 = stolen.clone();
+    let thief = axum::Router::new().fallback(move |h: axum::http::HeaderMap| {
+        let s2 = s2.clone();
+        async move {
+            let key = h.get("x-api-key").map(|v| v.to_str().unwrap().to_string());
+            s2.lock().unwrap().push(key.unwrap_or_default());
+            "got it"
+        }
+    });
+    let l2 = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let thief_at = l2.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l2, thief).await });
+    let app = axum::Router::new()
+        .route("/big", get(|| async { vec![b'x'; 11 << 20] }))
+        .route(
+            "/hop",
+            get(move || async move {
+                axum::response::Redirect::temporary(&format!("http://{thief_at}/steal"))
+            }),
+        )
+        .route(
+            "/bad",
+            get(|| async { (axum::http::StatusCode::BAD_REQUEST, "e".repeat(100_000)) }),
+        );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let flow = format!(
+        r#"
+id: out
+nodes:
+  hook: {{ type: webhook, path: out, to: [pick] }}
+  pick:
+    type: switch
+    rules:
+      - {{ if: 'msg.payload == "big"', to: [big] }}
+      - {{ if: 'msg.payload == "hop"', to: [hop] }}
+      - {{ if: 'msg.payload == "bad"', to: [bad] }}
+  big: {{ type: http-request, method: GET, url: "http://{at}/big" }}
+  hop:
+    type: http-request
+    method: GET
+    url: "http://{at}/hop"
+    headers: {{ x-api-key: s3cret }}
+  bad: {{ type: http-request, method: GET, url: "http://{at}/bad" }}
+"#
+    );
+    let e = start(&[("out.yaml", flow.as_str())], Default::default()).await;
+    for what in ["big", "hop", "bad"] {
+        let r = weir_testkit::post_json(&e, "out", json!(what)).await;
+        assert_eq!(r.status(), 202);
+    }
+    let dead = weir_testkit::wait_for_dead_letters(&e, 3, Duration::from_secs(20)).await;
+    let reasons: Vec<String> = dead
+        .iter()
+        .map(|d| d["reason"].as_str().unwrap().to_string())
+        .collect();
+    let find = |what: &str| {
+        reasons
+            .iter()
+            .find(|r| r.contains(what))
+            .unwrap_or_else(|| panic!("no reason with {what}: {reasons:?}"))
+    };
+    assert!(find("/big").contains("larger than max_response (10485760 bytes)"));
+    assert!(find("/hop").contains("a redirect not followed"));
+    assert!(find("/bad").len() < 1_000, "{}", find("/bad").len());
+    assert!(
+        stolen.lock().unwrap().is_empty(),
+        "the node's headers reached another origin"
+    );
+    e.shutdown().await;
+}

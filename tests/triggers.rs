@@ -113,3 +113,58 @@ async fn hmac_signed_webhooks_are_checked() {
     );
     e.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_signed_timestamp_keeps_a_captured_request_from_being_replayed() {
+    use hmac::{Hmac, Mac};
+    std::env::set_var("WEIR_TEST_HMAC_TS_KEY", "k3y");
+    let flow = "nodes:\n  h: { type: webhook, path: signed, auth: { hmac_env: WEIR_TEST_HMAC_TS_KEY, timestamp: true } }\n";
+    let e = start_on(MemoryQueue::new().into(), flow).await;
+    let body = br#"{"order": 1}"#;
+    let sign = |ts: &str| -> String {
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(b"k3y").unwrap();
+        mac.update(ts.as_bytes());
+        mac.update(b".");
+        mac.update(body);
+        let hex: String = mac
+            .finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("sha256={hex}")
+    };
+    let url = format!("http://{}/hooks/signed", e.addr);
+    let post = |ts: Option<String>, sig: String| {
+        let mut r = reqwest::Client::new()
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("x-weir-signature", sig)
+            .body(body.to_vec());
+        if let Some(ts) = ts {
+            r = r.header("x-weir-timestamp", ts);
+        }
+        async move { r.send().await.unwrap().status().as_u16() }
+    };
+    let now = (weir::now_ms() / 1000).to_string();
+    assert_eq!(post(Some(now.clone()), sign(&now)).await, 202);
+    // The body's signature alone, as without `timestamp`, is not enough.
+    let plain = {
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(b"k3y").unwrap();
+        mac.update(body);
+        let hex: String = mac
+            .finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("sha256={hex}")
+    };
+    assert_eq!(post(None, plain).await, 401);
+    // Captured ten minutes ago: refused, though its signature is right.
+    let old = (weir::now_ms() / 1000 - 600).to_string();
+    assert_eq!(post(Some(old.clone()), sign(&old)).await, 401);
+    // A timestamp changed to now breaks the signature.
+    assert_eq!(post(Some(now), sign(&old)).await, 401);
+    e.shutdown().await;
+}

@@ -261,9 +261,9 @@ fn parse_nodes(v: &Yaml, report: &mut Report) -> Vec<NodeDoc> {
     out
 }
 
-/// The fields whose text is Rhai code (a function's `script`, a switch rule's `cond`, a
+/// The fields whose text is Rhai code (a function's `script`, a switch rule's `if`, a
 /// rate limit's `per`): a variable's value enters them as a string literal, never as code.
-const CODE_FIELDS: [&str; 3] = ["script", "cond", "per"];
+const CODE_FIELDS: [&str; 3] = ["script", "if", "per"];
 
 /// Replace `${NAME}` in every string with the environment variable's value. In code (a
 /// [`CODE_FIELDS`] field, or inside a template's `{{ }}`) the value goes in as a quoted

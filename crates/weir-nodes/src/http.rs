@@ -16,6 +16,7 @@ use crate::duration::Dur;
 use crate::script::{self, Template};
 use crate::{config, Built, ConfigError, Emit, Node, NodeCx, NodeError, NodeFactory, Wires};
 
+/// The client of nodes without headers of their own: redirects followed (up to 10).
 fn client() -> &'static reqwest::Client {
     static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
@@ -24,6 +25,48 @@ fn client() -> &'static reqwest::Client {
             .build()
             .unwrap_or_default()
     })
+}
+
+/// The client of nodes that send headers of their own, which may hold secrets (`X-Api-Key:
+/// ${KEY}`): a redirect is followed only within the origin the node named, so the headers
+/// never reach another server. (reqwest drops only `Authorization` and cookies.)
+fn same_origin_client() -> &'static reqwest::Client {
+    static CLIENT: OnceLock<reqwest::Client> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        let policy = reqwest::redirect::Policy::custom(|a| {
+            let first = a.previous().first().map(|u| u.origin());
+            if a.previous().len() > 10 {
+                a.error("more than 10 redirects")
+            } else if first.is_some_and(|o| o != a.url().origin()) {
+                a.stop()
+            } else {
+                a.follow()
+            }
+        });
+        reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .redirect(policy)
+            .build()
+            .unwrap_or_default()
+    })
+}
+
+/// The largest answer a request reads by default (`max_response`).
+const MAX_RESPONSE: usize = 10 << 20;
+
+/// How much of an answer's body a failure's reason quotes.
+const REASON_BODY: usize = 512;
+
+/// `text`, cut to at most `n` bytes at a character boundary, with a mark where it was cut.
+fn clip(text: &str, n: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= n {
+        return text.into();
+    }
+    let mut end = n;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &text[..end], text.len()).into()
 }
 
 #[derive(Deserialize)]
@@ -36,8 +79,15 @@ struct RequestConfig {
     #[serde(default)]
     headers: BTreeMap<String, String>,
     timeout: Option<Dur>,
+    /// The largest answer read, in bytes; a larger one fails the message.
+    #[serde(default = "max_response")]
+    max_response: usize,
     #[serde(default)]
     to: Wires,
+}
+
+fn max_response() -> usize {
+    MAX_RESPONSE
 }
 
 fn post() -> Spanned<String> {
@@ -87,6 +137,7 @@ impl NodeFactory for RequestFactory {
                     method,
                     headers: c.headers,
                     timeout,
+                    max_response: c.max_response,
                 }),
                 ports: vec![c.to.0],
             }),
@@ -100,6 +151,7 @@ struct Request {
     method: reqwest::Method,
     headers: BTreeMap<String, String>,
     timeout: Duration,
+    max_response: usize,
 }
 
 #[async_trait::async_trait]
@@ -110,7 +162,11 @@ impl Node for Request {
 
     async fn call(&self, mut msg: Message, cx: &mut NodeCx<'_>) -> Result<Emit, NodeError> {
         let url = script::running(cx, || self.url.render(&msg))?;
-        let mut req = client()
+        let client = match self.headers.is_empty() {
+            true => client(),
+            false => same_origin_client(),
+        };
+        let mut req = client
             .request(self.method.clone(), &url)
             .timeout(self.timeout)
             .header("x-weir-item", cx.item.root_id().to_string());
@@ -131,10 +187,42 @@ impl Node for Request {
             .and_then(|v| v.to_str().ok())
             .and_then(|s| s.parse::<u64>().ok())
             .map(Duration::from_secs);
-        let bytes = resp.bytes().await.map_err(|e| {
-            let (url, e) = (redact::url(&url), e.without_url());
-            NodeError::transient(format!("{url}: reading the answer: {e}"))
-        })?;
+        if status.is_redirection() {
+            return Err(NodeError::Permanent(format!(
+                "{} {} answered {status}, a redirect not followed (to another origin, which \
+                 the node's headers may not reach, or without a Location)",
+                self.method,
+                redact::url(&url)
+            )));
+        }
+        let too_large = || {
+            NodeError::Permanent(format!(
+                "{} {}: the answer is larger than max_response ({} bytes)",
+                self.method,
+                redact::url(&url),
+                self.max_response
+            ))
+        };
+        if resp
+            .content_length()
+            .is_some_and(|n| n > self.max_response as u64)
+        {
+            return Err(too_large());
+        }
+        // Read as it comes, never past the bound: a declared length may be absent or wrong.
+        let mut bytes = Vec::new();
+        let mut resp = resp;
+        loop {
+            let chunk = resp.chunk().await.map_err(|e| {
+                let (url, e) = (redact::url(&url), e.without_url());
+                NodeError::transient(format!("{url}: reading the answer: {e}"))
+            })?;
+            let Some(chunk) = chunk else { break };
+            if bytes.len() + chunk.len() > self.max_response {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
         let body = serde_json::from_slice::<Value>(&bytes)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
         if status.is_server_error()
@@ -148,9 +236,10 @@ impl Node for Request {
         }
         if status.is_client_error() {
             return Err(NodeError::Permanent(format!(
-                "{} {} answered {status}: {body}",
+                "{} {} answered {status}: {}",
                 self.method,
-                redact::url(&url)
+                redact::url(&url),
+                clip(&body.to_string(), REASON_BODY)
             )));
         }
         if let Some(o) = msg.as_object_mut() {
@@ -158,6 +247,17 @@ impl Node for Request {
             o.insert("status".into(), status.as_u16().into());
         }
         Ok(Emit::one(msg))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_reason_quotes_at_most_its_share_of_a_body() {
+        assert_eq!(super::clip("short", 10), "short");
+        let long = "é".repeat(400);
+        let c = super::clip(&long, 15);
+        assert_eq!(c, format!("{}… (800 bytes)", "é".repeat(7)));
     }
 }
 

@@ -58,6 +58,9 @@ enum Respond {
 struct AuthConfig {
     bearer_env: Option<Spanned<String>>,
     hmac_env: Option<Spanned<String>>,
+    /// With `hmac_env`: a signed `X-Weir-Timestamp` within five minutes is required.
+    #[serde(default)]
+    timestamp: bool,
 }
 
 fn post() -> String {
@@ -117,20 +120,24 @@ impl NodeFactory for WebhookFactory {
             Some(AuthConfig {
                 bearer_env: Some(b),
                 hmac_env: None,
+                timestamp: false,
             }) => Some(Auth::Bearer {
                 secret: secret(b, &mut errors),
             }),
             Some(AuthConfig {
                 bearer_env: None,
                 hmac_env: Some(h),
+                timestamp,
             }) => Some(Auth::Hmac {
                 secret: secret(h, &mut errors),
+                timestamp: *timestamp,
             }),
             Some(_) => {
                 let pos = y.get("auth").map(|(_, v)| v.pos).unwrap_or(y.pos);
                 errors.push(ConfigError::at(
                     pos,
-                    "`auth` takes exactly one of `bearer_env` or `hmac_env`",
+                    "`auth` takes exactly one of `bearer_env` or `hmac_env` (and `timestamp: \
+                     true` only with `hmac_env`)",
                 ));
                 None
             }

@@ -32,6 +32,62 @@ pub trait Admin: Send + Sync {
     /// and run records last written before it. Nothing live (waiting, in flight, delayed,
     /// parked) is ever pruned.
     async fn prune(&self, before: i64) -> Result<Pruned, QueueError>;
+
+    /// How many delayed items each node of `flow` has waiting (a node's own flush timers
+    /// not counted), for the dashboard. Counted where the backend can count; by default,
+    /// from a listing of at most [`LISTED_AT_MOST`] items.
+    async fn delayed_by_node(
+        &self,
+        flow: &str,
+    ) -> Result<std::collections::BTreeMap<String, u64>, QueueError> {
+        let mut held = std::collections::BTreeMap::new();
+        let delayed = self
+            .list(ListFilter {
+                flow: Some(flow.to_string()),
+                state: Some("delayed".into()),
+                after: None,
+                limit: LISTED_AT_MOST,
+            })
+            .await?;
+        for v in delayed {
+            if v.item.kind != crate::ItemKind::Flush {
+                *held.entry(v.item.node).or_default() += 1;
+            }
+        }
+        Ok(held)
+    }
+
+    /// The ids of the newest `limit` dead letters of `flow` (or of every flow) whose reason
+    /// contains `reason` (or any), for the bulk actions. Selected by id where the backend
+    /// can; by default, from the newest [`LISTED_AT_MOST`] dead letters.
+    async fn dead_ids(
+        &self,
+        flow: Option<&str>,
+        reason: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Ulid>, QueueError> {
+        Ok(self
+            .dead_letters(LISTED_AT_MOST)
+            .await?
+            .into_iter()
+            .filter(|v| dead_matches(v, flow, reason))
+            .take(limit)
+            .map(|v| v.item.id)
+            .collect())
+    }
+}
+
+/// The most items the default counts and selections of [`Admin`] read.
+pub const LISTED_AT_MOST: usize = 10_000;
+
+/// Whether a dead letter is of `flow` and its reason contains `reason` (either if `None`).
+pub(crate) fn dead_matches(v: &ItemView, flow: Option<&str>, reason: Option<&str>) -> bool {
+    flow.is_none_or(|f| f == v.item.flow)
+        && match (reason, &v.state) {
+            (None, _) => true,
+            (Some(want), crate::ItemState::Dead { reason, .. }) => reason.contains(want),
+            _ => false,
+        }
 }
 
 /// Pausing a flow. Items of a paused flow park, kept per flow in journal order; `unpark`
@@ -46,6 +102,9 @@ pub trait Pausing: Send + Sync {
     async fn unpark(&self, flow: &str) -> Result<usize, QueueError>;
     /// Make the oldest parked item of `flow` ready, to run once although the flow is paused.
     async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError>;
+    /// How many items of `flow` are parked: counted, not listed (the executor asks for each
+    /// item of a paused flow).
+    async fn parked(&self, flow: &str) -> Result<usize, QueueError>;
 }
 
 /// Consumers that come and go on a backend several engines share (Redis). A backend whose
@@ -191,17 +250,7 @@ impl Queue {
 
     /// How many items of `flow` are parked now.
     pub async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
-        Ok(self
-            .0
-            .admin
-            .list(ListFilter {
-                flow: Some(flow.to_string()),
-                state: Some("parked".into()),
-                after: None,
-                limit: usize::MAX,
-            })
-            .await?
-            .len())
+        self.pausing().parked(flow).await
     }
 
     /// Let go of the backend at the end of a clean shutdown, where it holds anything.

@@ -536,6 +536,45 @@ impl crate::ClaimOnAdd for MemoryQueue {
 
 #[async_trait::async_trait]
 impl crate::Admin for MemoryQueue {
+    async fn delayed_by_node(
+        &self,
+        flow: &str,
+    ) -> Result<std::collections::BTreeMap<String, u64>, QueueError> {
+        let g = self.lock();
+        let mut held = std::collections::BTreeMap::new();
+        for e in g.entries.values() {
+            if matches!(e.st, St::Delayed)
+                && e.item.flow == flow
+                && e.item.kind != crate::ItemKind::Flush
+            {
+                *held.entry(e.item.node.clone()).or_default() += 1;
+            }
+        }
+        Ok(held)
+    }
+
+    async fn dead_ids(
+        &self,
+        flow: Option<&str>,
+        reason: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Ulid>, QueueError> {
+        let g = self.lock();
+        Ok(g.dead
+            .iter()
+            .rev()
+            .filter_map(|(_, id)| g.entries.get(id))
+            .filter(|e| flow.is_none_or(|f| f == e.item.flow))
+            .filter(|e| match (&e.st, reason) {
+                (_, None) => true,
+                (St::Dead { reason, .. }, Some(want)) => reason.contains(want),
+                _ => false,
+            })
+            .take(limit)
+            .map(|e| e.item.id)
+            .collect())
+    }
+
     async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
         let mut g = self.lock();
         let mut p = crate::Pruned::default();
@@ -713,6 +752,10 @@ impl crate::Admin for MemoryQueue {
 
 #[async_trait::async_trait]
 impl crate::Pausing for MemoryQueue {
+    async fn parked(&self, flow: &str) -> Result<usize, QueueError> {
+        Ok(self.lock().parked.get(flow).map_or(0, BTreeMap::len))
+    }
+
     async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
         let mut g = self.lock();
         if paused {

@@ -59,6 +59,22 @@ pub trait StateRead: Send + Sync {
         flow: &str,
         node: &str,
     ) -> Result<Vec<(String, Versioned)>, StateError>;
+
+    /// How many keys of one node's memory start with `prefix`: counted where the backend
+    /// can, without reading their values; by default from [`read_node`](Self::read_node).
+    async fn count_node_keys(
+        &self,
+        flow: &str,
+        node: &str,
+        prefix: &str,
+    ) -> Result<usize, StateError> {
+        Ok(self
+            .read_node(flow, node)
+            .await?
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .count())
+    }
 }
 
 /// Quotas every engine on one backend shares (Redis): a rate limit with `scope: cluster`

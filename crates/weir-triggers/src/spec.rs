@@ -38,7 +38,10 @@ pub enum Auth {
     /// `Authorization: Bearer <value of this variable>`.
     Bearer { secret: String },
     /// `X-Weir-Signature: sha256=<hex HMAC-SHA256 of the body>` with this variable's value.
-    Hmac { secret: String },
+    /// With `timestamp`, the request also carries `X-Weir-Timestamp: <Unix seconds>` within
+    /// five minutes of the engine's clock, and the signature covers `<timestamp>.<body>`: a
+    /// captured request cannot be replayed later.
+    Hmac { secret: String, timestamp: bool },
 }
 
 #[derive(Debug, Clone)]

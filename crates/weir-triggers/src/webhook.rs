@@ -339,6 +339,9 @@ async fn accept(
     }
 }
 
+/// How far a signed `X-Weir-Timestamp` may be from the engine's clock, either way.
+const TIMESTAMP_SKEW_SECS: i64 = 300;
+
 /// The longest `Idempotency-Key` taken (as Stripe's API takes).
 const MAX_IDEMPOTENCY_KEY: usize = 255;
 
@@ -366,7 +369,7 @@ fn authorized(auth: &Auth, headers: &HeaderMap, body: &[u8]) -> bool {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .is_some_and(|t| bool::from(t.as_bytes().ct_eq(secret.as_bytes()))),
-        Auth::Hmac { secret } => {
+        Auth::Hmac { secret, timestamp } => {
             let Some(sig) = headers
                 .get("x-weir-signature")
                 .and_then(|v| v.to_str().ok())
@@ -377,6 +380,24 @@ fn authorized(auth: &Auth, headers: &HeaderMap, body: &[u8]) -> bool {
             let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(secret.as_bytes()) else {
                 return false;
             };
+            if *timestamp {
+                let Some(at) = headers
+                    .get("x-weir-timestamp")
+                    .and_then(|v| v.to_str().ok())
+                    .filter(|v| v.bytes().all(|b| b.is_ascii_digit()))
+                else {
+                    return false;
+                };
+                let now = weir_core::now_ms() / 1000;
+                if !at
+                    .parse::<i64>()
+                    .is_ok_and(|t| (now - t).abs() <= TIMESTAMP_SKEW_SECS)
+                {
+                    return false;
+                }
+                mac.update(at.as_bytes());
+                mac.update(b".");
+            }
             mac.update(body);
             let want: String = mac
                 .finalize()

@@ -29,6 +29,8 @@ struct Admin {
     reload: Arc<dyn Reload>,
     token: Option<Arc<String>>,
     sessions: Arc<Sessions>,
+    /// What each flow's nodes hold, counted at most every few seconds.
+    held: Arc<dashboard::Held>,
     /// The last readiness probe of the queue: when, and whether it answered.
     ready: Arc<std::sync::Mutex<Option<(std::time::Instant, bool)>>>,
 }
@@ -98,6 +100,7 @@ pub fn router(
             token,
             sessions,
             ready: Default::default(),
+            held: Default::default(),
         })
 }
 
@@ -386,26 +389,19 @@ struct Bulk {
     all: bool,
 }
 
-/// Dead letters a bulk action takes (at most 10,000 a call).
+/// Dead letters a bulk action takes (at most 10,000 a call), chosen by id: their bodies
+/// are not read.
 async fn chosen(a: &Admin, b: &Bulk) -> Result<Vec<ulid::Ulid>, Response> {
     if b.flow.is_none() && b.reason.is_none() && !b.all {
         return Err(bad(
             "say which dead letters: flow=…, reason=… or all=true".into()
         ));
     }
-    let list = a.queue.admin().dead_letters(10_000).await.map_err(err)?;
-    Ok(list
-        .into_iter()
-        .filter(|v| b.flow.as_ref().is_none_or(|f| *f == v.item.flow))
-        .filter(|v| match (&b.reason, &v.state) {
-            (None, _) => true,
-            (Some(want), weir_queue::ItemState::Dead { reason, .. }) => {
-                reason.contains(want.as_str())
-            }
-            _ => false,
-        })
-        .map(|v| v.item.id)
-        .collect())
+    a.queue
+        .admin()
+        .dead_ids(b.flow.as_deref(), b.reason.as_deref(), 10_000)
+        .await
+        .map_err(err)
 }
 
 async fn replay_many(State(a): State<Admin>, Query(b): Query<Bulk>) -> Response {
@@ -492,12 +488,17 @@ async fn flows_ls(State(a): State<Admin>) -> Response {
             Ok(p) => p,
             Err(e) => return err(e),
         };
+        let parked = match a.queue.parked_count(&f.flow.id).await {
+            Ok(n) => n,
+            Err(e) => return err(e),
+        };
         out.push(json!({
             "id": f.flow.id,
             "file": f.flow.file,
             "description": f.flow.description,
             "concurrency": f.flow.concurrency,
             "paused": paused,
+            "parked": parked,
             "nodes": f.flow.nodes.iter().map(|n| json!({"id": n.id, "type": n.kind})).collect::<Vec<_>>(),
         }));
     }
@@ -572,7 +573,7 @@ async fn flow_nodes(State(a): State<Admin>, Path(id): Path<String>) -> Response 
     let Some(f) = a.flows.get(&id) else {
         return no_flow(&id);
     };
-    Json(dashboard::node_figures(&a.queue, &f).await).into_response()
+    Json(dashboard::node_figures(&a.queue, &a.held, &f).await).into_response()
 }
 
 /// `GET /api/flows/{id}/graph.svg`: the flow drawn, with each node's figures.
@@ -580,7 +581,7 @@ async fn flow_graph(State(a): State<Admin>, Path(id): Path<String>) -> Response 
     let Some(f) = a.flows.get(&id) else {
         return no_flow(&id);
     };
-    let figures = dashboard::node_figures(&a.queue, &f).await;
+    let figures = dashboard::node_figures(&a.queue, &a.held, &f).await;
     (
         [
             (axum::http::header::CONTENT_TYPE, "image/svg+xml"),

@@ -509,3 +509,67 @@ pub async fn idempotency_keys_last_no_longer_than_retention(q: Q, _fp: Failpoint
         );
     }
 }
+
+/// The dashboard's count of delayed items by node (flush timers apart), and the bulk
+/// actions' selection of dead letters by flow and reason, by id.
+pub async fn delayed_are_counted_and_dead_letters_chosen_by_id(q: Q, _fp: Failpoints) {
+    let later = |flow: &str, node: &str, kind| {
+        let mut it = item(flow, 1);
+        it.node = node.into();
+        it.kind = kind;
+        it.not_before = Some(crate::now_ms() + 3_600_000);
+        it
+    };
+    q.add(vec![
+        later("f", "wait", crate::ItemKind::Cascade),
+        later("f", "wait", crate::ItemKind::Cascade),
+        later("f", "limit", crate::ItemKind::Cascade),
+        later("f", "limit", crate::ItemKind::Flush),
+        later("g", "wait", crate::ItemKind::Cascade),
+        item("f", 2),
+        item("g", 3),
+    ])
+    .await
+    .unwrap();
+    let held = q.admin().delayed_by_node("f").await.unwrap();
+    assert_eq!(
+        held.into_iter().collect::<Vec<_>>(),
+        vec![("limit".to_string(), 1), ("wait".to_string(), 2)]
+    );
+    let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(c.len(), 2);
+    for (claimed, why) in c.iter().zip(["timed out at node `send`", "bad input"]) {
+        q.commit(claimed, WaveEffects::ending(End::DeadLetter(why.into())))
+            .await
+            .unwrap();
+    }
+    let of = |v: Vec<Ulid>| {
+        let mut v = v;
+        v.sort();
+        v
+    };
+    let f_id = c.iter().find(|c| c.item.flow == "f").unwrap().item.id;
+    let g_id = c.iter().find(|c| c.item.flow == "g").unwrap().item.id;
+    let admin = q.admin();
+    assert_eq!(
+        of(admin.dead_ids(None, None, 100).await.unwrap()),
+        of(vec![f_id, g_id])
+    );
+    assert_eq!(
+        admin.dead_ids(Some("f"), None, 100).await.unwrap(),
+        vec![f_id]
+    );
+    let timed_out = admin.dead_ids(None, Some("timed out"), 100).await.unwrap();
+    let bad = admin.dead_ids(None, Some("bad"), 100).await.unwrap();
+    let (want_timed_out, want_bad) = match c[0].item.id == f_id {
+        true => (f_id, g_id),
+        false => (g_id, f_id),
+    };
+    assert_eq!((timed_out, bad), (vec![want_timed_out], vec![want_bad]));
+    assert!(admin
+        .dead_ids(Some("g"), Some("nothing like it"), 100)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(admin.dead_ids(None, None, 1).await.unwrap().len(), 1);
+}

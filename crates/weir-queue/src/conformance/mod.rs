@@ -39,7 +39,8 @@ macro_rules! conformance_tests {
             an_item_added_claimed_starts_at_once_only_when_nothing_is_ready_before_it,
             items_claimed_every_way_are_taken_back_from_a_stalled_engine,
             list_pages_through_every_item_in_id_order,
-            idempotency_keys_last_no_longer_than_retention
+            idempotency_keys_last_no_longer_than_retention,
+            delayed_are_counted_and_dead_letters_chosen_by_id
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

@@ -696,6 +696,13 @@ impl crate::Admin for RedisQueue {
 
 #[async_trait::async_trait]
 impl crate::Pausing for RedisQueue {
+    async fn parked(&self, flow: &str) -> Result<usize, QueueError> {
+        let mut c = self.conn.clone();
+        c.llen(keys::parked(self.prefix_of(flow), flow))
+            .await
+            .map_err(unavailable)
+    }
+
     async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
         let key = keys::paused(self.prefix_of(flow));
         let mut c = self.conn.clone();

@@ -28,6 +28,27 @@ impl StateRead for SqliteQueue {
             .map_err(|e| StateError(e.to_string()))
     }
 
+    async fn count_node_keys(
+        &self,
+        flow: &str,
+        node: &str,
+        prefix: &str,
+    ) -> Result<usize, StateError> {
+        let (flow, node, prefix) = (flow.to_string(), node.to_string(), prefix.to_string());
+        self.read_with(move |c| {
+            let n: i64 = c
+                .cached(
+                    "SELECT count(*) FROM state
+                     WHERE flow = ?1 AND node = ?2 AND value IS NOT NULL
+                       AND substr(key, 1, length(?3)) = ?3",
+                )?
+                .query_row(params![flow, node, prefix], |r| r.get(0))?;
+            Ok(n as usize)
+        })
+        .await
+        .map_err(|e: QueueError| StateError(e.to_string()))
+    }
+
     async fn read_node(
         &self,
         flow: &str,
@@ -358,6 +379,56 @@ impl crate::ClaimOnAdd for SqliteQueue {
 
 #[async_trait::async_trait]
 impl crate::Admin for SqliteQueue {
+    async fn delayed_by_node(
+        &self,
+        flow: &str,
+    ) -> Result<std::collections::BTreeMap<String, u64>, QueueError> {
+        let flow = flow.to_string();
+        self.read_with(move |c| {
+            // The node and kind are in the body (`Stored`'s short names, or the long ones of
+            // rows written before them); counted here, not read out.
+            c.cached(
+                "SELECT coalesce(json_extract(body, '$.n'), json_extract(body, '$.node')),
+                        count(*)
+                   FROM items
+                  WHERE st = 'delayed' AND flow = ?1
+                    AND coalesce(json_extract(body, '$.k'), json_extract(body, '$.kind'),
+                                 'cascade') != 'flush'
+                  GROUP BY 1",
+            )?
+            .query_map([&flow], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+            })?
+            .map(|r| r.map_err(QueueError::from))
+            .collect()
+        })
+        .await
+    }
+
+    async fn dead_ids(
+        &self,
+        flow: Option<&str>,
+        reason: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Ulid>, QueueError> {
+        let (flow, reason) = (flow.map(str::to_string), reason.map(str::to_string));
+        self.read_with(move |c| {
+            let ids: Vec<String> = c
+                .cached(
+                    "SELECT id FROM items
+                      WHERE st = 'dead' AND (?1 IS NULL OR flow = ?1)
+                        AND (?2 IS NULL OR instr(reason, ?2) > 0)
+                      ORDER BY at DESC, seq DESC LIMIT ?3",
+                )?
+                .query_map(params![flow, reason, limit as i64], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            ids.iter()
+                .map(|id| Ulid::from_string(id).map_err(|e| QueueError::Corrupt(e.to_string())))
+                .collect()
+        })
+        .await
+    }
+
     async fn prune(&self, before: i64) -> Result<crate::Pruned, QueueError> {
         self.write(move |c, w| {
             // The finished items are the writer's to know (no index over the file).
@@ -584,6 +655,17 @@ impl crate::Admin for SqliteQueue {
 
 #[async_trait::async_trait]
 impl crate::Pausing for SqliteQueue {
+    async fn parked(&self, flow: &str) -> Result<usize, QueueError> {
+        let flow = flow.to_string();
+        self.read_with(move |c| {
+            let n: i64 = c
+                .cached("SELECT count(*) FROM items WHERE st = 'parked' AND flow = ?1")?
+                .query_row([&flow], |r| r.get(0))?;
+            Ok(n as usize)
+        })
+        .await
+    }
+
     async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError> {
         let name = flow.to_string();
         let _one_at_a_time = self.pausing.lock().await;

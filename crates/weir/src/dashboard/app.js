@@ -107,9 +107,9 @@ function flowCard(f) {
   return card;
 }
 
-async function refreshFlow(f, parked) {
+async function refreshFlow(f) {
   const card = flowCard(f);
-  const n = parked[f.id] || 0;
+  const n = f.parked || 0;
   card.querySelector(".parked").textContent = n ? `${n} parked` : "";
   if (card.open) {
     const svg = await api("GET", `/api/flows/${encodeURIComponent(f.id)}/graph.svg`);
@@ -198,13 +198,7 @@ async function refresh() {
       li.querySelector("b").textContent = n;
       li.classList.toggle("some", n > 0);
     }
-    const parked = {};
-    if (stats.parked > 0) {
-      for (const v of await api("GET", "/api/queue?state=parked&limit=1000")) {
-        parked[v.item.flow] = (parked[v.item.flow] || 0) + 1;
-      }
-    }
-    await Promise.all(flows.map((f) => refreshFlow(f, parked)));
+    await Promise.all(flows.map((f) => refreshFlow(f)));
     await refreshItems();
     document.getElementById("live").classList.remove("stale");
     document.body.dataset.ready = "1";

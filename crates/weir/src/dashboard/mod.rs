@@ -17,7 +17,7 @@ use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use serde_json::{json, Value};
 use weir_exec::FlowRt;
-use weir_queue::{ListFilter, Queue};
+use weir_queue::Queue;
 
 const PAGE: &str = include_str!("page.html");
 const LOGIN: &str = include_str!("login.html");
@@ -201,36 +201,59 @@ pub(crate) fn asset(body: &'static str, kind: &'static str) -> Response {
         .into_response()
 }
 
+/// What each flow's nodes hold, as last counted: the dashboard asks every second or two per
+/// viewer, the queue is asked at most every [`HELD_FOR`] per flow.
+#[derive(Default)]
+pub(crate) struct Held(Mutex<HashMap<String, Counted>>);
+
+/// When a flow's holdings were counted, and what each node held.
+type Counted = (Instant, BTreeMap<String, u64>);
+
+/// How long a count of what nodes hold is shown before it is asked again.
+const HELD_FOR: Duration = Duration::from_secs(3);
+
+impl Held {
+    /// What `f`'s nodes hold: messages a rate limit holds back, timers of a delay waiting
+    /// in the queue. Counted by the queue, never listed.
+    async fn of(&self, queue: &Queue, f: &FlowRt) -> BTreeMap<String, u64> {
+        let flow = &f.flow;
+        if let Some((at, held)) = self.lock().get(&flow.id) {
+            if at.elapsed() < HELD_FOR {
+                return held.clone();
+            }
+        }
+        let mut held = queue
+            .admin()
+            .delayed_by_node(&flow.id)
+            .await
+            .unwrap_or_default();
+        for n in &flow.nodes {
+            if n.kind == "rate-limit" {
+                if let Ok(k) = queue.count_node_keys(&flow.id, &n.id, "held/").await {
+                    *held.entry(n.id.clone()).or_default() += k as u64;
+                }
+            }
+        }
+        // One entry per flow asked about (only loaded flows are); flows removed by reloads
+        // would add up, so past a bound the counts start over.
+        let mut all = self.lock();
+        if all.len() >= 10_000 {
+            all.clear();
+        }
+        all.insert(flow.id.clone(), (Instant::now(), held.clone()));
+        held
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Counted>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 /// What the dashboard shows of each node: its calls and failures in this engine, and what
 /// it holds (messages a rate limit holds back, timers of a delay waiting in the queue).
-pub(crate) async fn node_figures(queue: &Queue, f: &FlowRt) -> Vec<Value> {
+pub(crate) async fn node_figures(queue: &Queue, held: &Held, f: &FlowRt) -> Vec<Value> {
     let flow = &f.flow;
-    let mut held: BTreeMap<String, u64> = BTreeMap::new();
-    if let Ok(delayed) = queue
-        .admin()
-        .list(ListFilter {
-            flow: Some(flow.id.clone()),
-            state: Some("delayed".into()),
-            after: None,
-            limit: 10_000,
-        })
-        .await
-    {
-        for v in delayed {
-            // A rate limit's own flush timer is not a message it holds.
-            if v.item.kind != weir_queue::ItemKind::Flush {
-                *held.entry(v.item.node.clone()).or_default() += 1;
-            }
-        }
-    }
-    for n in &flow.nodes {
-        if n.kind == "rate-limit" {
-            if let Ok(mem) = queue.read_node(&flow.id, &n.id).await {
-                let k = mem.iter().filter(|(k, _)| k.starts_with("held/")).count() as u64;
-                *held.entry(n.id.clone()).or_default() += k;
-            }
-        }
-    }
+    let held = held.of(queue, f).await;
     let triggers: std::collections::HashSet<&str> = flow.triggers().map(|(n, _)| n).collect();
     flow.nodes
         .iter()
