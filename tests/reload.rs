@@ -1,5 +1,5 @@
-//! Reload: new flows in force without a restart; a removed flow's waiting work cleared with
-//! an outcome; an invalid set refused with its errors while the running one goes on.
+//! Reload: new flows in force without a restart; a removed flow's waiting work set aside as
+//! dead letters; an invalid set refused with its errors while the running one goes on.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -75,9 +75,10 @@ async fn reload_swaps_the_flows_clears_removed_ones_and_refuses_a_broken_set() {
         "b is gone"
     );
     let item = get_json(&e, &format!("/api/items/{}", b_item.as_str().unwrap())).await;
+    assert_eq!(item["state"], "dead", "never silently: {item}");
     assert_eq!(
-        item["outcome"], "cleared with its flow",
-        "never silently: {item}"
+        item["reason"], "flow `b` was removed by a reload; replay once it is back",
+        "{item}"
     );
 
     // A broken file: refused with where and what, and the running flows go on.

@@ -26,7 +26,9 @@ pub trait Admin: Send + Sync {
     async fn replay(&self, id: Ulid) -> Result<Ulid, QueueError>;
     /// Drop a dead letter, keeping a record ("discarded by hand").
     async fn discard(&self, id: Ulid) -> Result<(), QueueError>;
-    /// Drop every waiting, delayed and parked item of `flow`; returns how many.
+    /// Set every waiting, delayed and parked item of `flow` (a flow a reload removed) aside
+    /// as a dead letter with [`removed_flow_reason`](crate::removed_flow_reason); returns
+    /// how many.
     async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError>;
     /// Retention: remove finished items and dead letters that ended before `before` (ms),
     /// and run records last written before it. Nothing live (waiting, in flight, delayed,

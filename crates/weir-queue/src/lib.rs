@@ -341,6 +341,12 @@ pub struct ItemView {
     pub state: ItemState,
 }
 
+/// The reason a removed flow's pending items are dead-lettered with: replayable once the
+/// flow is back.
+pub fn removed_flow_reason(flow: &str) -> String {
+    format!("flow `{flow}` was removed by a reload; replay once it is back")
+}
+
 /// Which items to list.
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {

@@ -633,8 +633,17 @@ impl crate::Admin for MemoryQueue {
             .map(|e| e.item.id)
             .collect();
         let now = now_ms();
+        let reason = crate::removed_flow_reason(flow);
         for id in &ids {
-            g.finish(*id, "cleared with its flow".into(), now);
+            g.unindex(*id);
+            g.dead.insert((now, *id));
+            if let Some(e) = g.entries.get_mut(id) {
+                e.item.not_before = None;
+                e.st = St::Dead {
+                    reason: reason.clone(),
+                    at: now,
+                };
+            }
         }
         Ok(ids.len())
     }

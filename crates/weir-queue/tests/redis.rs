@@ -931,3 +931,28 @@ fn an_entry_weir_did_not_write_is_removed_and_counted() {
             })
     });
 }
+
+#[tokio::test]
+async fn a_removed_flows_backlog_is_set_aside_a_page_at_a_time() {
+    let server = RedisServer::start();
+    let q = weir_queue::open(&server.url(), Failpoints::new())
+        .await
+        .unwrap();
+    // More than a page of each kind, the other flow's items among them.
+    let mut items = Vec::new();
+    for n in 0..1_200 {
+        let mut waiting = item(n);
+        waiting.flow = if n % 4 == 0 { "g".into() } else { "f".into() };
+        let mut later = item(n);
+        later.flow = waiting.flow.clone();
+        later.not_before = Some(weir_queue::now_ms() + 3_600_000);
+        items.push(waiting);
+        items.push(later);
+    }
+    q.add(items).await.unwrap();
+    assert_eq!(q.admin().clear_flow("f").await.unwrap(), 1_800);
+    let s = q.admin().stats().await.unwrap();
+    assert_eq!((s.ready, s.delayed, s.dead), (300, 300, 1_800), "{s:?}");
+    let left = q.claim("a", 1_000, Duration::ZERO).await.unwrap();
+    assert!(left.iter().all(|c| c.item.flow == "g"));
+}

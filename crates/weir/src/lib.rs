@@ -234,8 +234,8 @@ pub struct ReloadReport {
     pub flows: Vec<String>,
     pub added: Vec<String>,
     pub removed: Vec<String>,
-    /// Waiting, delayed and parked items of removed flows, ended with the outcome "cleared
-    /// with its flow".
+    /// Waiting, delayed and parked items of removed flows, set aside as dead letters (with
+    /// the reason, replayable once the flow is back).
     pub cleared: usize,
 }
 
@@ -302,7 +302,7 @@ impl Reloader {
         for f in &removed {
             let n = self.queue.admin().clear_flow(f).await?;
             if n > 0 {
-                tracing::warn!(flow = %f, items = n, "flow removed: its waiting, delayed and parked items were cleared");
+                tracing::warn!(flow = %f, items = n, "flow removed: its waiting, delayed and parked items were set aside as dead letters");
             }
             cleared += n;
         }
@@ -520,7 +520,7 @@ impl Engine {
 impl RunningEngine {
     /// Read the flows again (`POST /api/reload`, SIGHUP): an invalid set is refused with its
     /// errors and the running one kept; a removed flow's waiting, delayed and parked items
-    /// are cleared with a recorded outcome.
+    /// are set aside as dead letters with the reason, to replay once the flow is back.
     pub async fn reload(&self) -> Result<ReloadReport, EngineError> {
         self.reloader.reload().await
     }

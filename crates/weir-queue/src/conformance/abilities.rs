@@ -353,6 +353,23 @@ pub async fn clear_flow_drops_only_that_flows_pending_items(q: Q, _fp: Failpoint
         [3]
     );
     assert_eq!(q.next_due().await.unwrap(), None, "no delayed item left");
+    // Set aside, not ended: dead letters that say why, to replay once the flow is back.
+    let dead = q.admin().dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 2);
+    for d in &dead {
+        match &d.state {
+            ItemState::Dead { reason, .. } => {
+                assert_eq!(*reason, crate::removed_flow_reason("f"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let back = q.admin().replay(dead[0].item.id).await.unwrap();
+    let again = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(again.iter().map(|c| c.item.id).collect::<Vec<_>>(), [back]);
+    q.commit(&again[0], WaveEffects::ending(End::Ack))
+        .await
+        .unwrap();
     assert_eq!(
         q.commit(&running, WaveEffects::ending(End::Ack))
             .await

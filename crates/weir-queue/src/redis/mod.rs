@@ -42,6 +42,8 @@ mod records;
 mod scripts;
 mod start;
 mod state;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -544,8 +544,24 @@ impl crate::Admin for RedisQueue {
     }
 
     async fn clear_flow(&self, flow: &str) -> Result<usize, QueueError> {
-        self.run(&self.scripts.clear_flow, self.prefix_of(flow), &[&flow])
-            .await
+        // A page of each kind of item per call, so that no one call holds the server long.
+        const PAGE: usize = 500;
+        let p = self.prefix_of(flow);
+        let (mut cursor, mut rank, mut total) = ("-".to_string(), 0i64, 0);
+        loop {
+            let (n, next, next_rank, parked_left): (usize, String, i64, i64) = self
+                .run(
+                    &self.scripts.clear_flow,
+                    p,
+                    &[&flow, &PAGE, &cursor.as_str(), &rank.to_string()],
+                )
+                .await?;
+            total += n;
+            if next.is_empty() && next_rank < 0 && parked_left == 0 {
+                return Ok(total);
+            }
+            (cursor, rank) = (next, next_rank);
+        }
     }
 
     async fn stats(&self) -> Result<Stats, QueueError> {

@@ -470,19 +470,13 @@ impl crate::Admin for SqliteQueue {
                 |r| r.get(0),
             )?;
             let now = now_ms();
-            let cleared: Vec<i64> = c
-                .prepare(
-                    "UPDATE items SET st = 'finished', reason = 'cleared with its flow', at = ?2,
-                                      due = NULL, stepped = 0
-                     WHERE flow = ?1 AND st IN ('waiting', 'delayed', 'parked') RETURNING seq",
-                )?
-                .query_map(params![flow, now], |r| r.get(0))?
-                .collect::<Result<_, _>>()?;
+            let cleared = c.execute(
+                "UPDATE items SET st = 'dead', reason = ?3, at = ?2, due = NULL, stepped = 0
+                 WHERE flow = ?1 AND st IN ('waiting', 'delayed', 'parked')",
+                params![flow, now, crate::removed_flow_reason(&flow)],
+            )?;
             w.ready -= ready;
-            for &seq in &cleared {
-                w.finished.push(now, seq);
-            }
-            Ok(cleared.len())
+            Ok(cleared)
         })
         .await
     }

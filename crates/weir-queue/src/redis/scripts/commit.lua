@@ -6,16 +6,14 @@
 -- effects as JSON or nothing when it has none, and for an `ack` its finished record). Each
 -- is checked and applied on its own, as if alone; the answer is one word per commit, the
 -- plain ones first: done, conflict or failed (a failpoint).
-local function commit(id, lease, flow, kind, reason, effects, rec)
+local function commit(id, lease, flow, kind, reason, fx, rec)
   -- The item must still be in flight on this very claim: its `live` line starts with the
   -- lease (each claim's is new), then the entry.
   local v = live_get(id)
   local want = lease .. ' '
   if not v or string.sub(v, 1, #want) ~= want then return 'conflict' end
   local eid = string.match(v, '^%S+ (%S+)')
-  local fx = nil
-  if effects ~= '' then
-    fx = cjson.decode(effects)
+  if fx then
     for _, s in ipairs(fx.state) do
       if tonumber(redis.call('HGET', s.vk, s.key) or '0') ~= s.read then return 'conflict' end
     end
@@ -54,6 +52,14 @@ local function commit(id, lease, flow, kind, reason, effects, rec)
 end
 local out = {}
 local np, ng = tonumber(ARGV[3]), tonumber(ARGV[4])
+local g0 = 5 + 4 * np
+-- Every wave's effects are decoded before anything is written: Redis keeps what a script
+-- wrote before it failed, so nothing may fail after the first write.
+local effects = {}
+for i = 0, ng - 1 do
+  local e = ARGV[g0 + 7 * i + 5]
+  if e ~= '' then effects[i] = cjson.decode(e) end
+end
 -- Plain acknowledgements: the item's line must be exactly the one its claim wrote (the
 -- lease is new with each claim), and then every write is one command for them all.
 local seen = {}
@@ -87,7 +93,6 @@ for c = 0, np - 1, 1000 do
 end
 -- The rest, each in full (after the plain ones, whose writes their reads then see).
 local ids = {}
-local g0 = 5 + 4 * np
 for i = 0, ng - 1 do ids[i + 1] = ARGV[g0 + 7 * i] end
 live_read(ids)
 for i = 0, ng - 1 do
@@ -97,7 +102,7 @@ for i = 0, ng - 1 do
     out[np + i + 1] = 'conflict'
   else
     out[np + i + 1] = commit(id, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4],
-      ARGV[a + 5], ARGV[a + 6])
+      effects[i], ARGV[a + 6])
   end
 end
 return out
