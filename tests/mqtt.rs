@@ -787,3 +787,57 @@ async fn a_publish_past_max_packet_fails_that_message_not_the_connection() {
     .await;
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qos0_flood_while_the_queue_fails_is_bounded_and_counted() {
+    let broker = Mosquitto::start();
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    let flow = r#"
+id: flood
+nodes:
+  in: { type: mqtt-in, topic: "flood/#", qos: 0, to: [out] }
+  out: { type: log }
+"#;
+    let fp = Failpoints::new();
+    let e = start_with(
+        &queue,
+        Some(&broker.url()),
+        &[("flood.yaml", flow)],
+        fp.clone(),
+    )
+    .await;
+    let base = format!("http://{}", e.admin_addr);
+    until_subscribed(&base, &[&broker.label()], 1).await;
+    // The queue refuses every write: what arrives waits in the engine, up to its bound.
+    fp.arm("sqlite-batch", u32::MAX);
+    let device = MqttPeer::connect(broker.port, "device", None).await;
+    for n in 0..6_000 {
+        device
+            .client
+            .publish("flood/x", rumqttc::QoS::AtMostOnce, false, n.to_string())
+            .await
+            .unwrap();
+    }
+    eventually(
+        "QoS 0 messages past the bound dropped and counted",
+        Duration::from_secs(20),
+        || {
+            let base = base.clone();
+            async move {
+                let dropped = weir_testkit::metric_sum(&base, "weir_mqtt_dropped_total", &[]).await;
+                let hit =
+                    weir_testkit::metric_sum(&base, "weir_bounds_hit_total", &["mqtt_intake"])
+                        .await;
+                if dropped > 0 && hit >= dropped {
+                    Ok(())
+                } else {
+                    Err(json!({ "dropped": dropped, "bound hit": hit }))
+                }
+            }
+        },
+    )
+    .await;
+    fp.arm("sqlite-batch", 0);
+    e.shutdown().await;
+}
