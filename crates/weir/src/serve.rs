@@ -5,6 +5,7 @@
 //! file descriptors. A connection in the middle of a request is never closed for room.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,19 +79,25 @@ fn open_files_limit() -> Option<u64> {
         .ok()
 }
 
-/// One open connection: whether it is inside a request, since when it has been as it is,
-/// and how to close it.
+/// One open connection, shared by its task, its requests and the listener's table: how many
+/// requests it is inside, when it last left one, and how to stop it. A request touches two
+/// atomics and the clock; the table is locked only to add, remove or sweep connections.
 struct Conn {
-    busy: u32,
-    since: Instant,
-    close: CancellationToken,
+    busy: AtomicU32,
+    /// Milliseconds since the listener started, when the connection last left a request
+    /// (or opened).
+    last: AtomicU64,
+    /// Cancelled to stop the connection: for room or idleness (`closed`), or, as a child of
+    /// the listener's token, for a shutdown, which lets its request in flight finish.
+    stop: CancellationToken,
+    closed: AtomicBool,
 }
 
 /// A listener's open connections.
-#[derive(Default)]
 struct Table {
+    started: Instant,
     next: u64,
-    conns: HashMap<u64, Conn>,
+    conns: HashMap<u64, Arc<Conn>, foldhash::fast::RandomState>,
 }
 
 type Shared = Arc<Mutex<Table>>;
@@ -99,67 +106,96 @@ fn lock(t: &Shared) -> std::sync::MutexGuard<'_, Table> {
     t.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Make room for one more connection: `Some(id)` of the new one, or `None` when every open
+impl Table {
+    fn now(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Close `id` for good (its task drops it), taking it out of the table.
+    fn close(&mut self, id: u64) {
+        if let Some(c) = self.conns.remove(&id) {
+            c.closed.store(true, Ordering::Relaxed);
+            c.stop.cancel();
+        }
+    }
+}
+
+/// Make room for one more connection: the new one's id and state, or `None` when every open
 /// one is inside a request.
-fn admit(t: &Shared, max: usize) -> Option<(u64, CancellationToken)> {
+fn admit(t: &Shared, max: usize, done: &CancellationToken) -> Option<(u64, Arc<Conn>)> {
     let mut table = lock(t);
     if table.conns.len() >= max {
         let idle = table
             .conns
             .iter()
-            .filter(|(_, c)| c.busy == 0)
-            .min_by_key(|(_, c)| c.since)
+            .filter(|(_, c)| c.busy.load(Ordering::Relaxed) == 0)
+            .min_by_key(|(_, c)| c.last.load(Ordering::Relaxed))
             .map(|(id, _)| *id);
         metrics::counter!("weir_bounds_hit_total", "bound" => "http_connections").increment(1);
-        match idle {
-            Some(id) => {
-                if let Some(c) = table.conns.remove(&id) {
-                    c.close.cancel();
-                }
-            }
-            None => return None,
-        }
+        table.close(idle?);
     }
     table.next += 1;
     let id = table.next;
-    let close = CancellationToken::new();
-    table.conns.insert(
-        id,
-        Conn {
-            busy: 0,
-            since: Instant::now(),
-            close: close.clone(),
-        },
-    );
-    Some((id, close))
+    let conn = Arc::new(Conn {
+        busy: AtomicU32::new(0),
+        last: AtomicU64::new(table.now()),
+        stop: done.child_token(),
+        closed: AtomicBool::new(false),
+    });
+    table.conns.insert(id, conn.clone());
+    Some((id, conn))
 }
 
-/// Marks a connection busy for as long as it lives: dropped with the request's future,
-/// answered or not.
+/// Close the connections that have sat outside a request for `idle` or longer, every so
+/// often, until `done`.
+async fn sweep(table: Shared, idle: Duration, done: CancellationToken) {
+    let every = (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(5));
+    let idle = idle.as_millis() as u64;
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let mut t = lock(&table);
+        let now = t.now();
+        let quiet: Vec<u64> = t
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                c.busy.load(Ordering::Relaxed) == 0
+                    && now.saturating_sub(c.last.load(Ordering::Relaxed)) >= idle
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in quiet {
+            t.close(id);
+        }
+    }
+}
+
+/// Marks a connection inside a request for as long as it lives: dropped with the request's
+/// future, answered or not.
 struct Busy {
-    table: Shared,
-    id: u64,
+    conn: Arc<Conn>,
+    started: Instant,
 }
 
 impl Busy {
-    fn new(table: &Shared, id: u64) -> Busy {
-        if let Some(c) = lock(table).conns.get_mut(&id) {
-            c.busy += 1;
-            c.since = Instant::now();
-        }
+    fn new(conn: &Arc<Conn>, started: Instant) -> Busy {
+        conn.busy.fetch_add(1, Ordering::Relaxed);
         Busy {
-            table: table.clone(),
-            id,
+            conn: conn.clone(),
+            started,
         }
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        if let Some(c) = lock(&self.table).conns.get_mut(&self.id) {
-            c.busy = c.busy.saturating_sub(1);
-            c.since = Instant::now();
-        }
+        let c = &self.conn;
+        c.last
+            .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        c.busy.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -173,8 +209,14 @@ pub(crate) fn spawn(
     what: &'static str,
 ) {
     let tracker = tasks.clone();
+    let table: Shared = Arc::new(Mutex::new(Table {
+        started: Instant::now(),
+        next: 0,
+        conns: HashMap::default(),
+    }));
+    tasks.spawn(sweep(table.clone(), limits.idle_timeout, done.clone()));
     tasks.spawn(async move {
-        let table: Shared = Default::default();
+        let started = lock(&table).started;
         loop {
             let (tcp, _) = tokio::select! {
                 r = listener.accept() => match r {
@@ -189,7 +231,7 @@ pub(crate) fn spawn(
                 },
                 _ = done.cancelled() => break,
             };
-            let Some((id, close)) = admit(&table, limits.max_connections) else {
+            let Some((id, conn)) = admit(&table, limits.max_connections, &done) else {
                 // Every connection is inside a request: this one is closed unanswered.
                 drop(tcp);
                 continue;
@@ -200,15 +242,12 @@ pub(crate) fn spawn(
             if let Err(e) = tcp.set_nodelay(true) {
                 tracing::debug!(error = %e, "TCP_NODELAY not set");
             }
-            tracker.spawn(connection(
-                tcp,
-                app.clone(),
-                table.clone(),
-                id,
-                close,
-                limits.clone(),
-                done.clone(),
-            ));
+            let table = table.clone();
+            let (app, header_timeout) = (app.clone(), limits.header_timeout);
+            tracker.spawn(async move {
+                connection(tcp, app, conn, started, header_timeout).await;
+                lock(&table).conns.remove(&id);
+            });
         }
     });
 }
@@ -216,16 +255,14 @@ pub(crate) fn spawn(
 async fn connection(
     tcp: tokio::net::TcpStream,
     app: axum::Router,
-    table: Shared,
-    id: u64,
-    close: CancellationToken,
-    limits: HttpLimits,
-    done: CancellationToken,
+    conn: Arc<Conn>,
+    started: Instant,
+    header_timeout: Duration,
 ) {
     let service = {
-        let table = table.clone();
+        let conn = conn.clone();
         hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-            let busy = Busy::new(&table, id);
+            let busy = Busy::new(&conn, started);
             let call = tower::ServiceExt::oneshot(app.clone(), req.map(axum::body::Body::new));
             async move {
                 let r = call.await;
@@ -236,36 +273,26 @@ async fn connection(
     };
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout)
+        .header_read_timeout(header_timeout)
         .keep_alive(true);
-    let conn = http.serve_connection(TokioIo::new(tcp), service);
-    tokio::pin!(conn);
-    let tick = (limits.idle_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(5));
-    let mut closing = false;
-    loop {
-        tokio::select! {
-            r = conn.as_mut() => {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "HTTP connection ended");
-                }
-                break;
+    let served = http.serve_connection(TokioIo::new(tcp), service);
+    tokio::pin!(served);
+    tokio::select! {
+        biased;
+        r = served.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "HTTP connection ended");
             }
-            // Closed for room: dropping the connection closes its socket.
-            _ = close.cancelled() => break,
-            _ = done.cancelled(), if !closing => {
-                conn.as_mut().graceful_shutdown();
-                closing = true;
-            }
-            _ = tokio::time::sleep(tick) => {
-                let idle = lock(&table)
-                    .conns
-                    .get(&id)
-                    .is_some_and(|c| c.busy == 0 && c.since.elapsed() >= limits.idle_timeout);
-                if idle {
-                    break;
-                }
-            }
+            return;
+        }
+        _ = conn.stop.cancelled() => {}
+    }
+    // Closed for room or idleness: dropping the connection closes its socket. Shutting down:
+    // the request in flight is answered, then the connection closes.
+    if !conn.closed.load(Ordering::Relaxed) {
+        served.as_mut().graceful_shutdown();
+        if let Err(e) = served.await {
+            tracing::debug!(error = %e, "HTTP connection ended");
         }
     }
-    lock(&table).conns.remove(&id);
 }
