@@ -17,6 +17,9 @@
 //! - **Several engines** on one broker subscribe as `$share/GROUP/FILTER` (`share=GROUP`), so
 //!   each message is journaled by one of them.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use rumqttc::{AsyncClient, Event, Packet, Publish, QoS, SubscribeReasonCode};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -40,9 +43,11 @@ struct Route {
 /// Messages journaled per `add` at most.
 const MAX_BATCH: usize = 512;
 
-/// Messages read from the broker and not yet journaled, per subscription, at most. Past it a
-/// QoS 1 or 2 message waits in the broker (the reader stops taking more); a QoS 0 one,
-/// which the broker would not send again, is dropped and counted.
+/// Messages read from the broker and not yet journaled, per subscription, past which a QoS 0
+/// message (which the broker would not send again) is dropped and counted. QoS 1 and 2
+/// messages are bounded by the broker's window of messages in flight to a client (they
+/// wait for their acks); the reader never waits for room, since the acks that make room go
+/// out through the connection it polls.
 const MAX_WAITING: usize = 4 * MAX_BATCH;
 
 /// A message read from the broker, on its way to the journal. One larger than the
@@ -96,10 +101,12 @@ pub fn spawn_all(
             "filter" => broker.subscription(&filter),
         );
         let (client, events) = AsyncClient::new(options, 1024);
-        let (tx, rx) = mpsc::channel(MAX_WAITING);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let waiting = Arc::new(AtomicUsize::new(0));
         let (q, c, i, s) = (queue.clone(), client.clone(), intake.clone(), stop.clone());
         let r = routes.clone();
-        tracker.spawn(async move { journal(q, c, rx, r, i, s).await });
+        let w = waiting.clone();
+        tracker.spawn(async move { journal(q, c, rx, w, r, i, s).await });
         let link = Link {
             client,
             filter: broker.subscription(&filter),
@@ -107,6 +114,7 @@ pub fn spawn_all(
             broker: broker.address(),
             subscribed,
             max_packet: broker.max_packet,
+            waiting,
         };
         let s = stop.clone();
         tracker.spawn(async move { read(events, link, tx, s).await });
@@ -138,13 +146,15 @@ struct Link {
     subscribed: metrics::Gauge,
     /// The largest message journaled; a larger one is acknowledged, counted and logged.
     max_packet: usize,
+    /// Messages handed to the journal task and not yet taken by it.
+    waiting: Arc<AtomicUsize>,
 }
 
 /// Own the connection: read, hand publishes to the journal task, resubscribe on connect.
 async fn read(
     mut events: rumqttc::EventLoop,
     link: Link,
-    tx: mpsc::Sender<Arrived>,
+    tx: mpsc::UnboundedSender<Arrived>,
     stop: CancellationToken,
 ) {
     let Link {
@@ -154,6 +164,7 @@ async fn read(
         broker,
         subscribed,
         max_packet,
+        waiting,
     } = link;
     let mut failures = 0u32;
     subscribed.set(0.0);
@@ -199,30 +210,15 @@ async fn read(
                     );
                     p.payload = Default::default();
                 }
-                let arrived = Arrived { p, oversized };
-                let sent = match tx.try_send(arrived) {
-                    Ok(()) => Ok(()),
-                    // A message the broker would not send again: dropped, and counted.
-                    Err(mpsc::error::TrySendError::Full(a)) if a.p.qos == QoS::AtMostOnce => {
-                        metrics::counter!("weir_bounds_hit_total", "bound" => "mqtt_intake")
-                            .increment(1);
-                        metrics::counter!("weir_mqtt_dropped_total", "filter" => filter.clone())
-                            .increment(1);
-                        Ok(())
-                    }
-                    // One the broker keeps until it is acknowledged waits for room; meanwhile
-                    // nothing more is read from this connection.
-                    Err(mpsc::error::TrySendError::Full(a)) => {
-                        metrics::counter!("weir_bounds_hit_total", "bound" => "mqtt_intake")
-                            .increment(1);
-                        tokio::select! {
-                            _ = stop.cancelled() => break,
-                            r = tx.send(a) => r.map_err(|_| ()),
-                        }
-                    }
-                    Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
-                };
-                if sent.is_err() {
+                if p.qos == QoS::AtMostOnce && waiting.load(Ordering::Relaxed) >= MAX_WAITING {
+                    metrics::counter!("weir_bounds_hit_total", "bound" => "mqtt_intake")
+                        .increment(1);
+                    metrics::counter!("weir_mqtt_dropped_total", "filter" => filter.clone())
+                        .increment(1);
+                    continue;
+                }
+                waiting.fetch_add(1, Ordering::Relaxed);
+                if tx.send(Arrived { p, oversized }).is_err() {
                     break;
                 }
             }
@@ -247,7 +243,8 @@ async fn read(
 async fn journal(
     queue: Queue,
     client: AsyncClient,
-    mut rx: mpsc::Receiver<Arrived>,
+    mut rx: mpsc::UnboundedReceiver<Arrived>,
+    waiting: Arc<AtomicUsize>,
     routes: Vec<Route>,
     intake: Intake,
     stop: CancellationToken,
@@ -264,6 +261,7 @@ async fn journal(
                 Err(_) => break,
             }
         }
+        waiting.fetch_sub(batch.len(), Ordering::Relaxed);
         // Each route but the last gets a copy of the message; the last takes it.
         let build = || -> Vec<WorkItem> {
             let mut items = Vec::with_capacity(batch.len() * routes.len());
