@@ -584,3 +584,38 @@ nodes:
     );
     e.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_webhooks_bearer_token_is_checked_before_its_body_is_read() {
+    std::env::set_var("HARDENING_HOOK_TOKEN", "t0ken");
+    let flow = r#"
+id: locked
+nodes:
+  hook: { type: webhook, path: locked, auth: { bearer_env: HARDENING_HOOK_TOKEN }, to: [out] }
+  out: { type: log }
+"#;
+    let e = start(&[("locked.yaml", flow)], Default::default()).await;
+    // A body of 100 MiB declared, of which nothing is sent: the answer comes from the
+    // headers alone.
+    let mut tcp = tokio::net::TcpStream::connect(e.addr).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tcp.write_all(
+        format!(
+            "POST /hooks/locked HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            e.addr,
+            100 << 20
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut buf))
+        .await
+        .expect("answered without the body")
+        .unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 401"), "{head}");
+    e.shutdown().await;
+}

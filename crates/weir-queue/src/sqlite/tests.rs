@@ -896,16 +896,20 @@ async fn a_schema_3_file_keeps_its_items_and_drops_autoincrement() {
 async fn reads_past_the_readers_bound_wait_for_room_and_all_answer() {
     let q = std::sync::Arc::new(SqliteQueue::temporary(Failpoints::new()).unwrap());
     let (go, hold) = std::sync::mpsc::channel::<()>();
+    let (holding, on_hold) = tokio::sync::oneshot::channel::<()>();
     let held = {
         let q = q.clone();
         tokio::spawn(async move {
             q.read_with(move |_| {
+                let _ = holding.send(());
                 let _ = hold.recv();
                 Ok(())
             })
             .await
         })
     };
+    // The reader is held before any other read is sent: none of them can slip in first.
+    on_hold.await.unwrap();
     let reads: Vec<_> = (0..READS_WAITING + 100)
         .map(|_| {
             let q = q.clone();
