@@ -33,9 +33,28 @@ pub fn parse(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// A duration as [`parse`] reads it, or a bare whole number of seconds: how flags and config
+/// keys take them (`--grace 10` and `--grace 10s` alike).
+pub fn parse_or_secs(s: &str) -> Result<Duration, String> {
+    match s.trim().parse::<u64>() {
+        Ok(n) if n <= 365 * 86400 => Ok(Duration::from_secs(n)),
+        Ok(_) => Err(format!("duration `{s}` is out of range")),
+        Err(_) => parse(s),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bare_number_is_seconds_where_flags_take_it() {
+        assert_eq!(parse_or_secs("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_or_secs("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_or_secs("1.5m"), Ok(Duration::from_secs(90)));
+        assert!(parse_or_secs("ten").is_err());
+        assert!(parse("10").is_err(), "flows still write the unit");
+    }
 
     #[test]
     fn units() {

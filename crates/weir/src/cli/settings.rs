@@ -36,19 +36,20 @@ pub struct RunArgs {
     /// without it, the admin address must be a loopback one.
     #[arg(long, env = "WEIR_ADMIN")]
     pub admin: Option<SocketAddr>,
-    /// Seconds to finish waves in flight on SIGINT/SIGTERM.
-    #[arg(long, default_value_t = 30)]
-    pub grace: u64,
+    /// How long to finish waves in flight on SIGINT/SIGTERM (`30s`; a bare number is
+    /// seconds, as for every duration here).
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub grace: Duration,
     /// This engine's name as a consumer of a shared (Redis) queue. A stable name lets a
     /// restarted engine take back at once what it left in flight; it must be unique among
     /// the engines sharing the queue. Default: HOST-PID-RANDOM, fresh each start.
     #[arg(long, env = "WEIR_CONSUMER")]
     pub consumer: Option<String>,
-    /// Seconds an item may sit in flight at another (dead or stalled) engine before this
-    /// one takes it over. Keep it above 60, the longest a wave may run: a wave still
+    /// How long an item may sit in flight at another (dead or stalled) engine before this
+    /// one takes it over. Keep it above 60s, the longest a wave may run: a wave still
     /// running past it is taken back and run a second time (a warning at start says so).
-    #[arg(long, default_value_t = 120)]
-    pub reclaim_after: u64,
+    #[arg(long, default_value = "120s", value_parser = duration)]
+    pub reclaim_after: Duration,
     /// First wait before a transient failure is retried at its node (nodes may set their
     /// own `retry:`); it doubles, with jitter, up to --retry-max.
     #[arg(long, default_value = "1s", value_parser = duration)]
@@ -92,9 +93,27 @@ pub struct RunArgs {
     pub config: Option<PathBuf>,
 }
 
-/// A duration as flows write them: `500ms`, `5s`, `2m`, `1h`, `1d`.
+/// A duration as flows write them (`500ms`, `5s`, `2m`, `1h`, `1d`), or a bare number of
+/// seconds.
 pub fn duration(s: &str) -> Result<Duration, String> {
-    weir_core::duration::parse(s)
+    weir_core::duration::parse_or_secs(s)
+}
+
+/// A duration in the config file: a string with its unit, or a number of seconds.
+#[derive(serde::Deserialize, Debug, Clone)]
+#[serde(untagged)]
+enum FileDuration {
+    Secs(u64),
+    Text(String),
+}
+
+impl FileDuration {
+    fn get(&self) -> Result<Duration, String> {
+        match self {
+            FileDuration::Secs(n) => duration(&n.to_string()),
+            FileDuration::Text(s) => duration(s),
+        }
+    }
 }
 
 /// `weir.toml`: the settings of `weir run`, below the environment and the flags.
@@ -106,18 +125,18 @@ struct FileConfig {
     mqtt: Option<String>,
     http: Option<SocketAddr>,
     admin: Option<SocketAddr>,
-    grace: Option<u64>,
+    grace: Option<FileDuration>,
     consumer: Option<String>,
-    reclaim_after: Option<u64>,
-    retry_initial: Option<String>,
-    retry_max: Option<String>,
-    max_age: Option<String>,
-    retention: Option<String>,
+    reclaim_after: Option<FileDuration>,
+    retry_initial: Option<FileDuration>,
+    retry_max: Option<FileDuration>,
+    max_age: Option<FileDuration>,
+    retention: Option<FileDuration>,
     max_in_flight: Option<usize>,
     max_parked: Option<usize>,
     max_connections: Option<usize>,
-    header_timeout: Option<String>,
-    idle_timeout: Option<String>,
+    header_timeout: Option<FileDuration>,
+    idle_timeout: Option<FileDuration>,
     max_run_input: Option<usize>,
     /// Named brokers: `cloud = "mqtts://…"`.
     #[serde(default)]
@@ -184,14 +203,15 @@ impl Settings {
                 .and_then(|m| m.value_source(id))
                 .is_none_or(|s| s == clap::parser::ValueSource::DefaultValue)
         };
-        let from_file = |v: Option<String>, id: &str, flag: Duration| -> anyhow::Result<Duration> {
-            match v.filter(|_| pick(id)) {
-                Some(s) => {
-                    duration(&s).map_err(|e| anyhow::anyhow!("{id} in the config file: {e}"))
+        let from_file =
+            |v: Option<FileDuration>, id: &str, flag: Duration| -> anyhow::Result<Duration> {
+                match v.filter(|_| pick(id)) {
+                    Some(d) => d
+                        .get()
+                        .map_err(|e| anyhow::anyhow!("{id} in the config file: {e}")),
+                    None => Ok(flag),
                 }
-                None => Ok(flag),
-            }
-        };
+            };
         let mut mqtt_brokers = args.mqtt_brokers;
         for (name, url) in &file.brokers {
             if !mqtt_brokers
@@ -208,14 +228,10 @@ impl Settings {
             mqtt_brokers,
             http: file.http.filter(|_| pick("http")).unwrap_or(args.http),
             admin: args.admin.or(file.admin),
-            grace: Duration::from_secs(file.grace.filter(|_| pick("grace")).unwrap_or(args.grace)),
+            grace: from_file(file.grace, "grace", args.grace)?,
             consumer: args.consumer.or(file.consumer),
-            reclaim_after: Duration::from_secs(
-                file.reclaim_after
-                    .filter(|_| pick("reclaim_after"))
-                    .unwrap_or(args.reclaim_after)
-                    .max(1),
-            ),
+            reclaim_after: from_file(file.reclaim_after, "reclaim_after", args.reclaim_after)?
+                .max(Duration::from_secs(1)),
             retry_initial: from_file(file.retry_initial, "retry_initial", args.retry_initial)?,
             retry_max: from_file(file.retry_max, "retry_max", args.retry_max)?,
             max_age: from_file(file.max_age, "max_age", args.max_age)?,
@@ -286,6 +302,24 @@ mod tests {
         assert_eq!(s.grace, Duration::from_secs(30));
         assert_eq!(s.retention, Duration::from_secs(7 * 24 * 3600));
         assert_eq!((s.max_in_flight, s.max_parked), (256, 100_000));
+    }
+
+    #[test]
+    fn every_duration_takes_units_and_a_bare_number_is_seconds() {
+        let s = layered(&["--grace", "10s", "--reclaim-after", "90"], "").unwrap();
+        assert_eq!(s.grace, Duration::from_secs(10));
+        assert_eq!(s.reclaim_after, Duration::from_secs(90));
+        let s = layered(
+            &[],
+            "reclaim_after = \"3m\"\ngrace = 15\nmax_age = 3600\nretention = \"2d\"\n",
+        )
+        .unwrap();
+        assert_eq!(s.reclaim_after, Duration::from_secs(180));
+        assert_eq!(s.grace, Duration::from_secs(15));
+        assert_eq!(s.max_age, Duration::from_secs(3600));
+        assert_eq!(s.retention, Duration::from_secs(2 * 86400));
+        let e = layered(&[], "grace = \"soon\"\n").unwrap_err().to_string();
+        assert!(e.contains("grace in the config file"), "{e}");
     }
 
     #[test]
