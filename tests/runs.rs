@@ -76,12 +76,12 @@ async fn a_run_is_done_when_everything_it_started_is_and_its_record_survives_a_r
     assert_eq!(
         outputs[0]["payload"],
         json!({ "n": 42 }),
-        "the immediate branch first"
+        "the immediate branch first: what the log passed on"
     );
     assert_eq!(
         outputs[1]["payload"],
-        json!({ "n": 42 }),
-        "then the delayed one reached its leaf"
+        json!({ "n": 42, "late": true }),
+        "then what the delayed branch's last node made of it"
     );
     e.shutdown().await;
 
@@ -161,4 +161,30 @@ async fn weir_run_flow_waits_and_prints_the_outputs() {
         .unwrap();
     assert_eq!(failed.status.code(), Some(1), "a failed run exits 1");
     e.stop(Duration::from_secs(10)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runs_outputs_are_what_its_last_nodes_made() {
+    let flow = r#"
+id: shape
+nodes:
+  start: { type: manual, to: [square] }
+  square:
+    type: function
+    script: |
+      msg.payload = msg.payload * msg.payload;
+      msg
+"#;
+    let e = start_on("memory", &[("shape.yaml", flow)], Failpoints::new()).await;
+    let base = format!("http://{}", e.admin_addr);
+    let (status, body) = post(&base, "/api/flows/shape/runs", json!(7)).await;
+    assert_eq!(status, 202, "{body}");
+    let rec = wait_run(&base, body["run_id"].as_str().unwrap()).await;
+    assert_eq!(rec["status"], "done", "{rec}");
+    assert_eq!(
+        rec["outputs"],
+        json!([{ "payload": 49 }]),
+        "the function's result, not its input"
+    );
+    e.shutdown().await;
 }

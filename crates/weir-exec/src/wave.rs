@@ -26,7 +26,7 @@ enum Outcome {
 }
 
 /// What a wave leaves besides its effects: its webhook replies, and the
-/// messages that reached nodes with no wires out (a run's outputs).
+/// messages nodes with no wires out emitted (a run's outputs).
 #[derive(Default)]
 struct Extras {
     replies: Vec<Reply>,
@@ -297,11 +297,11 @@ impl Executor {
         let mut fx = WaveEffects::ending(End::Ack);
         let mut failures = Vec::new();
         let mut steps = 0usize;
+        // A run's outputs: what the nodes with no wires out emit (a function's result, what
+        // a sink passes on). Such a node is told it has wires out in a run, so that it emits.
+        let run = item.run_id.is_some();
         let mut reached = Vec::new();
         while let Some((n, msg)) = pending.pop_front() {
-            if item.run_id.is_some() && flow.graph.is_leaf(n) {
-                reached.push(msg.clone());
-            }
             steps += 1;
             if steps > self.cfg.step_bound {
                 metrics::counter!("weir_bounds_hit_total", "bound" => "wave_steps").increment(1);
@@ -349,7 +349,7 @@ impl Executor {
                         &mut out,
                     )
                     .with_quotas(self.queue.quotas().map(|q| &**q as _))
-                    .with_wires_out(!flow.graph.is_leaf(n))
+                    .with_wires_out(run || !flow.graph.is_leaf(n))
                     .with_deadline(std::time::Instant::now() + self.cfg.node_timeout);
                     let r = match tokio::time::timeout(
                         self.cfg.node_timeout,
@@ -393,6 +393,9 @@ impl Executor {
                 }
             };
             match result {
+                Ok(Emit(ports)) if run && flow.graph.is_leaf(n) => {
+                    reached.extend(ports.into_iter().flatten());
+                }
                 Ok(Emit(ports)) => {
                     for (port, msgs) in ports.into_iter().enumerate() {
                         // Each target but the last gets a copy; the last takes the message.
@@ -582,7 +585,7 @@ pub const RUNS: &str = weir_queue::RUNS_NODE;
 pub struct RunRecord {
     /// queued | running | done | failed
     pub status: String,
-    /// The messages that reached nodes with no wires out, in order.
+    /// The messages the run's nodes with no wires out emitted, in order.
     pub outputs: Vec<Message>,
     pub error: Option<String>,
     /// Items of the run not yet ended (the run is over at 0).
@@ -594,7 +597,7 @@ pub struct RunRecord {
 
 impl Executor {
     /// Keep the run's record in step with this wave, in the same commit: one item of the run
-    /// ends, its follow-ups carry the run on, what reached a leaf is an output.
+    /// ends, its follow-ups carry the run on, what a leaf emitted is an output.
     async fn account_run(
         &self,
         item: &WorkItem,
