@@ -14,6 +14,8 @@ pub(crate) enum Ended {
     DeadLetter,
     Park,
     Superseded,
+    /// Not an ending: the item comes back later (a wave past its deadline).
+    Later,
 }
 
 impl Ended {
@@ -22,6 +24,7 @@ impl Ended {
             Some(weir_queue::End::DeadLetter(_)) => Ended::DeadLetter,
             Some(weir_queue::End::Park) => Ended::Park,
             Some(weir_queue::End::Superseded) => Ended::Superseded,
+            Some(weir_queue::End::Later(_)) => Ended::Later,
             Some(weir_queue::End::Ack) | None => Ended::Ack,
         }
     }
@@ -32,6 +35,7 @@ impl Ended {
             Ended::DeadLetter => "dead_letter",
             Ended::Park => "park",
             Ended::Superseded => "superseded",
+            Ended::Later => "later",
         }
     }
 }
@@ -45,7 +49,7 @@ pub struct FlowRt {
     /// Per node: what this engine has seen it do since the flow was loaded.
     pub counts: Vec<NodeCounts>,
     /// The flow's Prometheus series, by end (see [`FlowRt::ended`]).
-    ended: [std::sync::OnceLock<metrics::Counter>; 4],
+    ended: [std::sync::OnceLock<metrics::Counter>; 5],
     wave_seconds: std::sync::OnceLock<metrics::Histogram>,
     /// The flow's `respond: wave` webhooks, whose requests wait for their wave's answer.
     pub(crate) answering: Box<[String]>,

@@ -500,23 +500,36 @@ impl Executor {
         }
     }
 
-    /// The wave ran past its deadline: a transient failure of the whole item. Its work is
-    /// journaled again for later; the done markers of what it did are kept under the old id.
+    /// The wave ran past its deadline: a transient failure of the whole item. The same item
+    /// (its id, its deliveries, its done markers, so what it did is not done again) is
+    /// delivered again after a backoff; past the delivery ceiling or the maximum age it is
+    /// dead-lettered instead, so a wave that always overruns ends.
     fn deadline_passed(&self, item: &WorkItem) -> WaveEffects {
-        let mut again = item.clone();
-        again.id = ulid::Ulid::new();
-        again.origin_id = Some(item.root_id());
-        again.deliveries = 0;
-        again.cause = format!("retry:{}", item.node);
-        again.not_before =
-            Some(now_ms() + backoff(self.cfg.retry_base, self.cfg.retry_cap, 1).as_millis() as i64);
+        let why = format!(
+            "the wave passed its deadline of {:?}",
+            self.cfg.wave_deadline
+        );
+        let now = now_ms();
+        if item.deliveries >= self.cfg.max_deliveries {
+            return WaveEffects::ending(End::DeadLetter(format!(
+                "{why} on each of its {} deliveries (ceiling {})",
+                item.deliveries, self.cfg.max_deliveries
+            )));
+        }
+        if now - item.first_enqueued_at > self.cfg.max_age.as_millis() as i64 {
+            return WaveEffects::ending(End::DeadLetter(format!(
+                "expired: {why}, and the event is older than the maximum age ({:?})",
+                self.cfg.max_age
+            )));
+        }
+        let wait = backoff(
+            self.cfg.retry_base,
+            self.cfg.retry_cap,
+            item.deliveries.max(1),
+        );
         WaveEffects {
-            delayed: vec![again],
-            outcome: Some(format!(
-                "wave passed its deadline of {:?}; journaled again",
-                self.cfg.wave_deadline
-            )),
-            ..WaveEffects::ending(End::Ack)
+            outcome: Some(format!("{why}; delivered again later")),
+            ..WaveEffects::ending(End::Later(now + wait.as_millis() as i64))
         }
     }
 }
@@ -607,7 +620,8 @@ impl Executor {
         let Some(run) = &item.run_id else {
             return Ok(());
         };
-        if fx.end == Some(End::Park) {
+        // A parked item, or one delivered again later, has not ended: the run waits for it.
+        if matches!(fx.end, Some(End::Park) | Some(End::Later(_))) {
             return Ok(());
         }
         let key = StateKey::new(&item.flow, RUNS, run);

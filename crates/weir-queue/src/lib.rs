@@ -160,6 +160,9 @@ pub enum End {
     DeadLetter(String),
     /// A guard no longer held: a newer timer replaced this one.
     Superseded,
+    /// Not done: the same item (its id, its deliveries, its done markers) is delayed until
+    /// this time (ms), then delivered again. A wave past its deadline ends so.
+    Later(i64),
 }
 
 /// A side effect already performed for (item, node, position in the wave's walk).

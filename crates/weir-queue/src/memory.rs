@@ -399,7 +399,10 @@ impl WorkQueue for MemoryQueue {
             for (item, reason) in fx.dead {
                 g.insert_dead(item, reason, now);
             }
-            g.done.retain(|k, _| k.item != id);
+            // Done markers live until the item ends; one delivered again keeps them.
+            if !matches!(fx.end, Some(End::Later(_))) {
+                g.done.retain(|k, _| k.item != id);
+            }
             g.permits.remove(&id);
             match fx.end.unwrap_or(End::Ack) {
                 End::Ack => g.finish(id, fx.outcome.unwrap_or_else(|| "done".into()), now),
@@ -416,6 +419,14 @@ impl WorkQueue for MemoryQueue {
                         e.st = St::Parked;
                         let seq = e.seq;
                         g.parked.entry(flow).or_default().insert(seq, id);
+                    }
+                }
+                End::Later(due) => {
+                    if let Some(e) = g.entries.get_mut(&id) {
+                        e.st = St::Delayed;
+                        e.item.not_before = Some(due);
+                        let seq = e.seq;
+                        g.delayed.insert((due, seq, id));
                     }
                 }
             }

@@ -590,3 +590,54 @@ pub async fn delayed_are_counted_and_dead_letters_chosen_by_id(q: Q, _fp: Failpo
         .is_empty());
     assert_eq!(admin.dead_ids(None, None, 1).await.unwrap().len(), 1);
 }
+
+/// An item whose wave ends `Later` is the same item when it comes back: its id, its
+/// deliveries counted on, its done markers kept until it ends.
+pub async fn an_item_ended_later_comes_back_as_itself_with_its_markers(q: Q, _fp: Failpoints) {
+    q.add(vec![item("f", 1)]).await.unwrap();
+    let first = q.claim("a", 1, Duration::ZERO).await.unwrap().remove(0);
+    let id = first.item.id;
+    let key = crate::DoneKey {
+        flow: "f".into(),
+        item: id,
+        node: "send".into(),
+        position: 1,
+    };
+    q.mark_done(
+        key.clone(),
+        vec![vec![serde_json::json!({ "payload": "sent" })]],
+    )
+    .await
+    .unwrap();
+    let due = crate::now_ms() + 300;
+    let r = q
+        .commit(&first, WaveEffects::ending(End::Later(due)))
+        .await
+        .unwrap();
+    assert_eq!(r, Committed::Done);
+    let s = q.admin().stats().await.unwrap();
+    assert_eq!((s.ready, s.in_flight, s.delayed), (0, 0, 1), "{s:?}");
+    assert!(q.was_done(&key).await.unwrap().is_some(), "markers kept");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let again = loop {
+        q.move_due(crate::now_ms()).await.unwrap();
+        let mut got = q.claim("a", 1, Duration::from_millis(50)).await.unwrap();
+        if let Some(c) = got.pop() {
+            break c;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never delivered again"
+        );
+    };
+    assert_eq!(again.item.id, id, "the same item");
+    assert_eq!(again.item.deliveries, 2, "its deliveries go on");
+    assert!(q.was_done(&key).await.unwrap().is_some(), "its markers too");
+    q.commit(&again, WaveEffects::ending(End::Ack))
+        .await
+        .unwrap();
+    assert!(
+        q.was_done(&key).await.unwrap().is_none(),
+        "gone once it ends"
+    );
+}

@@ -40,7 +40,8 @@ macro_rules! conformance_tests {
             items_claimed_every_way_are_taken_back_from_a_stalled_engine,
             list_pages_through_every_item_in_id_order,
             idempotency_keys_last_no_longer_than_retention,
-            delayed_are_counted_and_dead_letters_chosen_by_id
+            delayed_are_counted_and_dead_letters_chosen_by_id,
+            an_item_ended_later_comes_back_as_itself_with_its_markers
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

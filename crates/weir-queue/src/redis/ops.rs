@@ -186,6 +186,7 @@ impl WorkQueue for RedisQueue {
             Some(End::Superseded) => ("ack", "superseded by a newer timer".into()),
             Some(End::DeadLetter(r)) => ("dead", r.as_str().into()),
             Some(End::Park) => ("park", "".into()),
+            Some(End::Later(due)) => ("later", due.to_string().into()),
         };
         let mut items = Vec::new();
         for it in fx.follow_ups.iter().chain(&fx.delayed) {

@@ -540,7 +540,9 @@ pub(super) fn commit_wave(
     for (row, reason) in &new.dead {
         insert_dead(c, w, row, reason, now)?;
     }
-    if w.marked.remove(&id) {
+    // Done markers live until the item ends; one delivered again keeps them.
+    let later = matches!(fx.end, Some(End::Later(_)));
+    if !later && w.marked.remove(&id) {
         c.cached("DELETE FROM done WHERE item = ?1")?
             .execute([id.to_string()])?;
     }
@@ -559,6 +561,14 @@ pub(super) fn commit_wave(
                 "UPDATE items SET st = 'parked', consumer = NULL, stepped = 0 WHERE seq = ?1",
             )?
             .execute([row])?;
+        }
+        End::Later(due) => {
+            c.cached(
+                "UPDATE items SET st = 'delayed', due = ?2, consumer = NULL, stepped = 0
+                 WHERE seq = ?1",
+            )?
+            .execute(params![row, due])?;
+            w.next_due = Some(w.next_due.map_or(due, |d| d.min(due)));
         }
     }
     w.flying.ended(row);

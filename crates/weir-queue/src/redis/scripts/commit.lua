@@ -34,7 +34,8 @@ local function commit(id, lease, flow, kind, reason, fx, rec)
     end
     for _, d in ipairs(fx.dead) do insert_dead(d, d.reason) end
   end
-  GONE[#GONE + 1] = P .. 'done:' .. id
+  -- Done markers live until the item ends; one delivered again keeps them.
+  if kind ~= 'later' then GONE[#GONE + 1] = P .. 'done:' .. id end
   if kind == 'ack' then
     ACKS[#ACKS + 1] = eid
     live_set(id, false)
@@ -42,6 +43,11 @@ local function commit(id, lease, flow, kind, reason, fx, rec)
     FINISHED[#FINISHED + 1] = id
   elseif kind == 'dead' then
     bury(id, reason)
+  elseif kind == 'later' then
+    -- The same item, delayed: `reason` is when it is due.
+    local k = unstream(id)
+    redis.call('HSET', k, 'st', 'delayed', 'due', reason)
+    redis.call('ZADD', P .. 'delayed', reason, id)
   else
     local k = unstream(id)
     redis.call('HSET', k, 'st', 'parked')

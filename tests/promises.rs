@@ -1,0 +1,68 @@
+//! The promises "nothing lost, nothing repeated, everything visible" where a wave overruns,
+//! on SQLite and on Redis.
+
+use std::time::Duration;
+
+use serde_json::json;
+use weir_testkit::{post_json, start_exec, test_exec, wait_for_dead_letters, Sink};
+
+/// A side effect, then a call slower than the wave may run.
+fn flow(fast: &str, slow: &str) -> String {
+    format!(
+        r#"
+id: overrun
+nodes:
+  hook: {{ type: webhook, path: overrun, to: [notify] }}
+  notify: {{ type: http-request, url: "{fast}", to: [slow] }}
+  slow: {{ type: http-request, url: "{slow}" }}
+"#
+    )
+}
+
+async fn a_wave_past_its_deadline_keeps_its_item_and_repeats_no_effect(queue: &str) {
+    let (fast, slow) = (Sink::start().await, Sink::start().await);
+    slow.answer_after(3_000);
+    let mut exec = test_exec();
+    exec.wave_deadline = Duration::from_millis(500);
+    exec.max_deliveries = 3;
+    let f = flow(&fast.url("done"), &slow.url("slow"));
+    let e = start_exec(queue, exec, &[("overrun.yaml", f.as_str())]).await;
+    let r = post_json(&e, "overrun", json!({ "n": 1 })).await;
+    assert_eq!(r.status(), 202);
+    let id = r.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // It always overruns: dead-lettered at the delivery ceiling, not journaled again for ever.
+    let dead = wait_for_dead_letters(&e, 1, Duration::from_secs(30)).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(
+        dead[0]["item"]["id"],
+        id.as_str(),
+        "the same item throughout"
+    );
+    let reason = dead[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("passed its deadline") && reason.contains("3 deliveries"),
+        "{reason}"
+    );
+    assert_eq!(
+        fast.count(),
+        1,
+        "the side effect before the overrun ran once"
+    );
+    e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wave_past_its_deadline_on_sqlite() {
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    a_wave_past_its_deadline_keeps_its_item_and_repeats_no_effect(&queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wave_past_its_deadline_on_redis() {
+    let redis = weir_queue::testing::RedisServer::start();
+    a_wave_past_its_deadline_keeps_its_item_and_repeats_no_effect(&redis.url()).await;
+}
