@@ -102,6 +102,10 @@ pub trait Pausing: Send + Sync {
     async fn is_paused(&self, flow: &str) -> Result<bool, QueueError>;
     /// Make every parked item of `flow` ready, oldest first; returns how many.
     async fn unpark(&self, flow: &str) -> Result<usize, QueueError>;
+    /// Resume `flow` in one step: it is no longer paused and its parked items are ready,
+    /// oldest first, at once, so that nothing arriving meanwhile runs before them. Returns
+    /// how many were parked.
+    async fn resume(&self, flow: &str) -> Result<usize, QueueError>;
     /// Make the oldest parked item of `flow` ready, to run once although the flow is paused.
     async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError>;
     /// How many items of `flow` are parked: counted, not listed (the executor asks for each

@@ -807,6 +807,25 @@ impl crate::Pausing for MemoryQueue {
         Ok(n)
     }
 
+    async fn resume(&self, flow: &str) -> Result<usize, QueueError> {
+        let n = {
+            let mut g = self.lock();
+            g.paused.remove(flow);
+            // Back at their places in the journal order.
+            let parked = g.parked.remove(flow).unwrap_or_default();
+            let n = parked.len();
+            for (seq, id) in parked {
+                if let Some(e) = g.entries.get_mut(&id) {
+                    e.st = St::Ready;
+                    g.ready.insert(seq, id);
+                }
+            }
+            n
+        };
+        self.ready.notify_waiters();
+        Ok(n)
+    }
+
     async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
         let id = {
             let mut g = self.lock();

@@ -519,15 +519,12 @@ async fn flow_action(
             .set_paused(&id, true)
             .await
             .map(|_| json!({ "flow": id, "paused": true })),
-        "resume" => match a.queue.pausing().set_paused(&id, false).await {
-            Ok(()) => a
-                .queue
-                .pausing()
-                .unpark(&id)
-                .await
-                .map(|n| json!({ "flow": id, "paused": false, "released": n })),
-            Err(e) => Err(e),
-        },
+        "resume" => a
+            .queue
+            .pausing()
+            .resume(&id)
+            .await
+            .map(|n| json!({ "flow": id, "paused": false, "released": n })),
         "step" => a
             .queue
             .pausing()

@@ -641,3 +641,25 @@ pub async fn an_item_ended_later_comes_back_as_itself_with_its_markers(q: Q, _fp
         "gone once it ends"
     );
 }
+
+/// Resume is one step: the flow is no longer paused and its parked items are ready, in the
+/// order they were journaled, before anything added after the resume.
+pub async fn resume_unpauses_and_readies_the_parked_in_one_step(q: Q, _fp: Failpoints) {
+    q.pausing().set_paused("f", true).await.unwrap();
+    q.add((1..=3).map(|n| item("f", n)).collect())
+        .await
+        .unwrap();
+    for c in q.claim("a", 3, Duration::ZERO).await.unwrap() {
+        q.commit(&c, WaveEffects::ending(End::Park)).await.unwrap();
+    }
+    assert_eq!(q.parked_count("f").await.unwrap(), 3);
+    assert_eq!(q.pausing().resume("f").await.unwrap(), 3);
+    assert!(!q.pausing().is_paused("f").await.unwrap());
+    assert_eq!(q.parked_count("f").await.unwrap(), 0);
+    q.add(vec![item("f", 4)]).await.unwrap();
+    let got = q.claim("a", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        got.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),
+        [1, 2, 3, 4]
+    );
+}

@@ -41,7 +41,8 @@ macro_rules! conformance_tests {
             list_pages_through_every_item_in_id_order,
             idempotency_keys_last_no_longer_than_retention,
             delayed_are_counted_and_dead_letters_chosen_by_id,
-            an_item_ended_later_comes_back_as_itself_with_its_markers
+            an_item_ended_later_comes_back_as_itself_with_its_markers,
+            resume_unpauses_and_readies_the_parked_in_one_step
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

@@ -742,6 +742,11 @@ impl crate::Pausing for RedisQueue {
             .await
     }
 
+    async fn resume(&self, flow: &str) -> Result<usize, QueueError> {
+        self.run(&self.scripts.resume, self.prefix_of(flow), &[&flow])
+            .await
+    }
+
     async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
         let r: Option<String> = self
             .run(&self.scripts.unpark_one, self.prefix_of(flow), &[&flow])

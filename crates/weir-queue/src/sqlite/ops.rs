@@ -702,6 +702,33 @@ impl crate::Pausing for SqliteQueue {
         .await
     }
 
+    async fn resume(&self, flow: &str) -> Result<usize, QueueError> {
+        let name = flow.to_string();
+        let _one_at_a_time = self.pausing.lock().await;
+        let n = self
+            .write(move |c, w| {
+                c.execute("DELETE FROM paused WHERE flow = ?1", [&name])?;
+                // In the same transaction, and back at their places in the ready order
+                // (parking kept each its `ord`).
+                let n = c.execute(
+                    "UPDATE items SET st = 'waiting', consumer = NULL, stepped = 0
+                     WHERE flow = ?1 AND st = 'parked'",
+                    [&name],
+                )?;
+                if n > 0 {
+                    w.ready += n as i64;
+                    w.woke = true;
+                }
+                Ok(n)
+            })
+            .await?;
+        self.paused
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(flow);
+        Ok(n)
+    }
+
     async fn unpark_one(&self, flow: &str) -> Result<Option<Ulid>, QueueError> {
         let flow = flow.to_string();
         self.write(move |c, w| {
