@@ -66,3 +66,50 @@ async fn a_wave_past_its_deadline_on_redis() {
     let redis = weir_queue::testing::RedisServer::start();
     a_wave_past_its_deadline_keeps_its_item_and_repeats_no_effect(&redis.url()).await;
 }
+
+/// A side effect as a wave's last step keeps no marker of its own (the commit that ends the
+/// item is its record); if that commit is refused and the wave runs again, it is not done
+/// twice.
+async fn a_last_step_effect_runs_once_through_a_refused_commit(queue: &str) {
+    let sink = Sink::start().await;
+    let flow = format!(
+        "id: last\nnodes:\n  hook: {{ type: webhook, path: last, to: [send] }}\n  send: {{ type: http-request, url: \"{}\" }}\n",
+        sink.url("sent")
+    );
+    let fp = weir::Failpoints::new();
+    fp.arm("commit-conflict", 1);
+    let e = weir_testkit::start_on(queue, &[("last.yaml", flow.as_str())], fp.clone()).await;
+    let r = post_json(&e, "last", json!({ "n": 1 })).await;
+    let id = r.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    weir_testkit::eventually("the item done", Duration::from_secs(10), || {
+        let path = format!("/api/items/{id}");
+        let e = &e;
+        async move {
+            let v = weir_testkit::get_json(e, &path).await;
+            match v["state"].as_str() {
+                Some("finished") => Ok(()),
+                _ => Err(v),
+            }
+        }
+    })
+    .await;
+    assert!(!fp.hit("commit-conflict"), "the refused commit happened");
+    assert_eq!(sink.count(), 1, "the last step's effect, once");
+    e.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_step_effect_runs_once_on_sqlite() {
+    let data = tempfile::tempdir().unwrap();
+    let queue = format!("sqlite:{}/queue.db", data.path().display());
+    a_last_step_effect_runs_once_through_a_refused_commit(&queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_step_effect_runs_once_on_redis() {
+    let redis = weir_queue::testing::RedisServer::start();
+    a_last_step_effect_runs_once_through_a_refused_commit(&redis.url()).await;
+}

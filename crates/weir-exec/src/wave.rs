@@ -31,6 +31,10 @@ enum Outcome {
 struct Extras {
     replies: Vec<Reply>,
     reached: Vec<Message>,
+    /// A side effect done as the wave's last step, whose marker was left to the commit
+    /// (the commit ends the item): if the commit is refused and the wave runs again, the
+    /// marker is written first, so the effect is not done twice.
+    unmarked: Option<(DoneKey, Vec<Vec<Message>>)>,
 }
 
 /// Runs of a wave whose commit met a conflict, before the item is left to redelivery.
@@ -73,6 +77,7 @@ impl Executor {
                     }
                     Outcome::Commit(fx, extras) => (fx, extras),
                 };
+                let unmarked = extras.unmarked.take();
                 let end = crate::Ended::of(fx.end.as_ref());
                 if flow.as_ref().is_some_and(|f| f.flow.concurrency > 1) {
                     drop(permit.take());
@@ -134,6 +139,12 @@ impl Executor {
                             }
                             _ => {
                                 tracing::debug!(flow = %c.item.flow, item = %c.item.id, "commit conflict; running the wave again");
+                                if let Some((key, outputs)) = unmarked {
+                                    if let Err(e) = self.queue.mark_done(key, outputs).await {
+                                        tracing::warn!(flow = %c.item.flow, item = %c.item.id, error = %e, "could not record a done marker; the item will be redelivered");
+                                        return;
+                                    }
+                                }
                                 continue;
                             }
                         }
@@ -170,6 +181,10 @@ impl Executor {
         let mut delay = Duration::from_millis(20);
         let mut failed_before = false;
         loop {
+            if self.failpoints.hit("commit-conflict") {
+                // As if a state version had moved: the wave runs again.
+                return Some(Committed::Conflict);
+            }
             match self.queue.commit(c, fx.clone()).await {
                 Ok(Committed::Conflict) if failed_before => {
                     return match self.queue.admin().get(c.item.id).await {
@@ -301,6 +316,7 @@ impl Executor {
         // a sink passes on). Such a node is told it has wires out in a run, so that it emits.
         let run = item.run_id.is_some();
         let mut reached = Vec::new();
+        let mut unmarked = None;
         while let Some((n, msg)) = pending.pop_front() {
             steps += 1;
             if steps > self.cfg.step_bound {
@@ -375,6 +391,10 @@ impl Executor {
                                 msgs.is_empty() || flow.graph.targets(n, port).is_empty()
                             });
                         let marked = if last {
+                            // What the replay of the marker would emit goes nowhere but to
+                            // a run's outputs.
+                            let outputs = if run { emit.0.clone() } else { Vec::new() };
+                            unmarked = Some((done_key(), outputs));
                             Ok(())
                         } else {
                             self.queue.mark_done(done_key(), emit.0.clone()).await
@@ -427,7 +447,14 @@ impl Executor {
         if !failures.is_empty() {
             fx.outcome = Some(format!("done with failures: {}", failures.join("; ")));
         }
-        Outcome::Commit(fx, Extras { replies, reached })
+        Outcome::Commit(
+            fx,
+            Extras {
+                replies,
+                reached,
+                unmarked,
+            },
+        )
     }
 
     /// A node failed on `input`: retry it at that node later, or dead-letter the input.
