@@ -113,3 +113,32 @@ async fn a_last_step_effect_runs_once_on_redis() {
     let redis = weir_queue::testing::RedisServer::start();
     a_last_step_effect_runs_once_through_a_refused_commit(&redis.url()).await;
 }
+
+/// An event whose wave ended with failures names the items that carry them on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_with_failures_names_its_dead_letters() {
+    let flow = r#"
+id: split
+nodes:
+  hook: { type: webhook, path: split, to: [bad, good] }
+  bad: { type: function, script: 'throw "no"' }
+  good: { type: log }
+"#;
+    let e = weir_testkit::start(&[("split.yaml", flow)], weir::Failpoints::new()).await;
+    let r = post_json(&e, "split", json!(1)).await;
+    let id = r.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let dead = wait_for_dead_letters(&e, 1, Duration::from_secs(10)).await;
+    let dead_id = dead[0]["item"]["id"].as_str().unwrap().to_string();
+    let item = weir_testkit::get_json(&e, &format!("/api/items/{id}")).await;
+    let outcome = item["outcome"].as_str().unwrap_or_default();
+    assert!(
+        outcome.starts_with("done with failures") && outcome.contains(&dead_id),
+        "{item}"
+    );
+    let stats = weir_testkit::get_json(&e, "/api/stats").await;
+    assert!(stats["next_due"].is_null(), "nothing delayed: {stats}");
+    e.shutdown().await;
+}

@@ -445,7 +445,23 @@ impl Executor {
         fx.dead.extend(out.dead);
         let replies = out.replies;
         if !failures.is_empty() {
-            fx.outcome = Some(format!("done with failures: {}", failures.join("; ")));
+            // Which items carry the failures on: an operator goes from the outcome to them.
+            let ids = |items: &mut dyn Iterator<Item = &WorkItem>| {
+                items
+                    .map(|i| i.id.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let mut outcome = format!("done with failures: {}", failures.join("; "));
+            let dead = ids(&mut fx.dead.iter().map(|(i, _)| i));
+            if !dead.is_empty() {
+                outcome.push_str(&format!("; dead letters: {dead}"));
+            }
+            let retries = ids(&mut fx.delayed.iter().filter(|i| i.cause.starts_with("retry:")));
+            if !retries.is_empty() {
+                outcome.push_str(&format!("; retries: {retries}"));
+            }
+            fx.outcome = Some(outcome);
         }
         Outcome::Commit(
             fx,

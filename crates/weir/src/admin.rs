@@ -306,11 +306,19 @@ fn parse_id(id: &str) -> Result<Ulid, Response> {
     Ulid::from_string(id).map_err(|_| bad(format!("`{id}` is not an item id")))
 }
 
+/// The queue by state, and when the next delayed item is due (ms; null when none is).
 async fn stats(State(a): State<Admin>) -> Response {
-    match a.queue.admin().stats().await {
-        Ok(s) => Json(s).into_response(),
-        Err(e) => err(e),
-    }
+    let s = match a.queue.admin().stats().await {
+        Ok(s) => s,
+        Err(e) => return err(e),
+    };
+    let next_due = match a.queue.next_due().await {
+        Ok(d) => d,
+        Err(e) => return err(e),
+    };
+    let mut v = serde_json::to_value(s).unwrap_or_default();
+    v["next_due"] = next_due.into();
+    Json(v).into_response()
 }
 
 async fn item(State(a): State<Admin>, Path(id): Path<String>) -> Response {
