@@ -381,6 +381,27 @@ impl Executor {
             };
             let claimed = match ready {
                 Ok(wait) => {
+                    // Flows whose waves are all taken and as many more wait their turn: the
+                    // claims pass over their ready items, so that another flow's next item
+                    // is not held up behind their backlog (where the backend can).
+                    let skip: Option<Arc<[String]>> = match self.queue.skips_flows() {
+                        Some(_) => {
+                            let full: Vec<String> = lanes
+                                .iter()
+                                .filter(|(flow, l)| {
+                                    let behind = l.behind.load(Ordering::Acquire);
+                                    behind > 0
+                                        && self
+                                            .flows
+                                            .get(flow)
+                                            .is_none_or(|f| behind >= f.flow.concurrency.max(1))
+                                })
+                                .map(|(flow, _)| flow.clone())
+                                .collect();
+                            (!full.is_empty()).then(|| full.into())
+                        }
+                        None => None,
+                    };
                     while claims.0.len() < ahead {
                         // The free permits shared among the claims still to be made.
                         let free = in_flight
@@ -399,12 +420,18 @@ impl Executor {
                             break;
                         };
                         let (queue, consumer) = (self.queue.clone(), self.cfg.consumer.clone());
+                        let skip = skip.clone();
                         claims.0.push_back(Claim {
                             permits,
                             answer: None,
-                            claim: Box::pin(
-                                async move { queue.claim(&consumer, free, wait).await },
-                            ),
+                            claim: Box::pin(async move {
+                                match (queue.skips_flows(), skip) {
+                                    (Some(s), Some(skip)) => {
+                                        s.claim_skipping(&consumer, free, wait, skip).await
+                                    }
+                                    _ => queue.claim(&consumer, free, wait).await,
+                                }
+                            }),
                         });
                     }
                     if claims.0.is_empty() {

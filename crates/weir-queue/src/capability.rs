@@ -163,6 +163,21 @@ pub trait ClaimsWait: Send + Sync {
     fn claims_ahead(&self) -> usize;
 }
 
+/// Claims that pass over the ready items of some flows: the executor names the flows whose
+/// waves are all taken, so that one flow's backlog holds up no other flow. The items passed
+/// over keep their places.
+#[async_trait::async_trait]
+pub trait SkipsFlows: Send + Sync {
+    /// As [`WorkQueue::claim`], passing over the ready items of the flows in `skip`.
+    async fn claim_skipping(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: std::time::Duration,
+        skip: Arc<[String]>,
+    ) -> Result<Vec<Claimed>, QueueError>;
+}
+
 /// A queue and the abilities its backend has: what the executor, the triggers and the admin
 /// API hold. It derefs to the core [`WorkQueue`]; a clone is one reference more.
 #[derive(Clone)]
@@ -179,6 +194,7 @@ struct Parts {
     quotas: Option<Arc<dyn SharedQuotas>>,
     claim_on_add: Option<Arc<dyn ClaimOnAdd>>,
     claims_wait: Option<Arc<dyn ClaimsWait>>,
+    skips_flows: Option<Arc<dyn SkipsFlows>>,
 }
 
 impl Queue {
@@ -195,6 +211,7 @@ impl Queue {
             quotas: None,
             claim_on_add: None,
             claims_wait: None,
+            skips_flows: None,
         }))
     }
 
@@ -220,6 +237,11 @@ impl Queue {
 
     pub fn with_claims_wait(mut self, c: Arc<dyn ClaimsWait>) -> Self {
         Arc::make_mut(&mut self.0).claims_wait = Some(c);
+        self
+    }
+
+    pub fn with_skips_flows(mut self, c: Arc<dyn SkipsFlows>) -> Self {
+        Arc::make_mut(&mut self.0).skips_flows = Some(c);
         self
     }
 
@@ -254,6 +276,10 @@ impl Queue {
         self.0.claims_wait.as_deref()
     }
 
+    pub fn skips_flows(&self) -> Option<&Arc<dyn SkipsFlows>> {
+        self.0.skips_flows.as_ref()
+    }
+
     /// How many items of `flow` are parked now.
     pub async fn parked_count(&self, flow: &str) -> Result<usize, QueueError> {
         self.pausing().parked(flow).await
@@ -284,6 +310,7 @@ impl std::fmt::Debug for Queue {
             .field("quotas", &self.0.quotas.is_some())
             .field("claim_on_add", &self.0.claim_on_add.is_some())
             .field("claims_wait", &self.0.claims_wait.is_some())
+            .field("skips_flows", &self.0.skips_flows.is_some())
             .finish()
     }
 }

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use ulid::Ulid;
 
 pub use capability::{
-    Admin, ClaimOnAdd, ClaimsWait, Closing, Consumers, Pausing, Queue, SharedQuotas,
+    Admin, ClaimOnAdd, ClaimsWait, Closing, Consumers, Pausing, Queue, SharedQuotas, SkipsFlows,
 };
 pub use item::{ItemKind, WorkItem, ITEM_VERSION};
 pub use memory::MemoryQueue;

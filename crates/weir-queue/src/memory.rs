@@ -339,29 +339,7 @@ impl WorkQueue for MemoryQueue {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Claimed>, QueueError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            let notified = self.ready.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let mut g = self.lock();
-                let mut out = Vec::new();
-                let now = now_ms();
-                while out.len() < max {
-                    let Some((_, id)) = g.ready.pop_first() else {
-                        break;
-                    };
-                    out.extend(g.take(id, consumer, now));
-                }
-                if !out.is_empty() {
-                    return Ok(out);
-                }
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Ok(Vec::new());
-            }
-        }
+        self.claim_passing(consumer, max, wait, &[]).await
     }
 
     async fn commit(&self, c: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
@@ -847,6 +825,75 @@ impl crate::Pausing for MemoryQueue {
 impl From<MemoryQueue> for crate::Queue {
     fn from(q: MemoryQueue) -> Self {
         let q = std::sync::Arc::new(q);
-        crate::Queue::new(q.clone(), false).with_claim_on_add(q)
+        crate::Queue::new(q.clone(), false)
+            .with_claim_on_add(q.clone())
+            .with_skips_flows(q)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::SkipsFlows for MemoryQueue {
+    async fn claim_skipping(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: Duration,
+        skip: std::sync::Arc<[String]>,
+    ) -> Result<Vec<Claimed>, QueueError> {
+        self.claim_passing(consumer, max, wait, &skip).await
+    }
+}
+
+impl MemoryQueue {
+    /// Claim up to `max` ready items in journal order, passing over those of the flows in
+    /// `skip`, waiting up to `wait` for one.
+    async fn claim_passing(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: Duration,
+        skip: &[String],
+    ) -> Result<Vec<Claimed>, QueueError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut g = self.lock();
+                let mut out = Vec::new();
+                let now = now_ms();
+                if skip.is_empty() {
+                    while out.len() < max {
+                        let Some((_, id)) = g.ready.pop_first() else {
+                            break;
+                        };
+                        out.extend(g.take(id, consumer, now));
+                    }
+                } else {
+                    let chosen: Vec<(u64, Ulid)> = g
+                        .ready
+                        .iter()
+                        .filter(|(_, id)| {
+                            g.entries
+                                .get(id)
+                                .is_none_or(|e| !skip.contains(&e.item.flow))
+                        })
+                        .take(max)
+                        .map(|(s, id)| (*s, *id))
+                        .collect();
+                    for (seq, id) in chosen {
+                        g.ready.remove(&seq);
+                        out.extend(g.take(id, consumer, now));
+                    }
+                }
+                if !out.is_empty() {
+                    return Ok(out);
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Ok(Vec::new());
+            }
+        }
     }
 }

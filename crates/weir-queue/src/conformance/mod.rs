@@ -42,7 +42,8 @@ macro_rules! conformance_tests {
             idempotency_keys_last_no_longer_than_retention,
             delayed_are_counted_and_dead_letters_chosen_by_id,
             an_item_ended_later_comes_back_as_itself_with_its_markers,
-            resume_unpauses_and_readies_the_parked_in_one_step
+            resume_unpauses_and_readies_the_parked_in_one_step,
+            a_claim_passes_over_the_flows_it_is_told_to
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {

@@ -170,11 +170,20 @@ pub(super) struct Waiter {
     /// once as in flight, where a claim afterwards would read each row back and rewrite it.
     /// Handed out by `serve_waiters` at the end of the same transaction.
     pub(super) taken: Vec<Taken>,
+    /// Flows whose ready items this claim passes over (their waves are all taken).
+    pub(super) skip: Option<std::sync::Arc<[String]>>,
 }
 
 impl Waiter {
     pub(super) fn has_room(&self) -> bool {
         self.taken.len() < self.max && !self.reply.is_closed()
+    }
+
+    /// Whether this claim takes an item of `flow`.
+    pub(super) fn takes(&self, flow: &str) -> bool {
+        self.skip
+            .as_ref()
+            .is_none_or(|s| !s.iter().any(|f| f == flow))
     }
 }
 

@@ -177,79 +177,7 @@ impl WorkQueue for SqliteQueue {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Claimed>, QueueError> {
-        // Always looks (an indexed LIMIT query): the ready count only bounds `add`, it never
-        // decides whether an item can be claimed. Finding nothing, the claim waits in the
-        // writer, which answers it by `wait` at the latest.
-        let (reply, rx) = oneshot::channel();
-        self.jobs
-            .send(Msg::Job(Job::Claim(Waiter {
-                consumer: consumer.to_string(),
-                max,
-                deadline: std::time::Instant::now() + wait,
-                reply,
-                taken: Vec::new(),
-            })))
-            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
-        let taken = rx
-            .await
-            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))??;
-        // Decoded here, off the writer's thread.
-        let mut out = Vec::with_capacity(taken.len());
-        for mut t in taken {
-            let cols = RowCols {
-                id: &t.id,
-                flow: std::mem::take(&mut t.flow),
-                deliveries: t.deliveries,
-                enqueued_at: t.enqueued_at,
-                // A claimed item is due now, whenever it was due.
-                due: None,
-            };
-            let item = match t.item.take() {
-                // As decoding its row would give it: counted delivered, due now.
-                Some(mut item) => {
-                    item.deliveries = t.deliveries;
-                    item.not_before = None;
-                    Ok(item)
-                }
-                None => decode(&t.body, cols),
-            };
-            match item {
-                Ok(item) => out.push(
-                    Claimed::new(item, t.lease, consumer, t.stepped)
-                        .with_receipt(Receipt::row(t.seq as u64)),
-                ),
-                Err(e) => {
-                    // A poison row: set aside with the reason; the ones around it go on.
-                    // If setting it aside fails, the items claimed with it are still handed
-                    // out (dropping them would strand them in flight); the poison row stays
-                    // in flight until a reclaim pass or the next start brings it back.
-                    tracing::error!(seq = t.seq, error = %e, "an item that cannot be decoded is dead-lettered");
-                    let reason = format!("undecodable item: {e}");
-                    let buried = self
-                        .write(move |c, w| {
-                            let n = c.cached(
-                            "UPDATE items SET st = 'dead', reason = ?3, at = ?4, consumer = NULL
-                             WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2",
-                        )?
-                        .execute(params![
-                            t.seq,
-                            t.lease as i64,
-                            reason,
-                            now_ms()
-                        ])?;
-                            if n > 0 {
-                                w.flying.ended(t.seq);
-                            }
-                            Ok(())
-                        })
-                        .await;
-                    if let Err(e) = buried {
-                        tracing::warn!(seq = t.seq, error = %e, "could not dead-letter an undecodable item; it comes back after a reclaim pass or a restart");
-                    }
-                }
-            }
-        }
-        Ok(out)
+        self.claim_passing(consumer, max, wait, None).await
     }
 
     async fn commit(&self, claimed: &Claimed, fx: WaveEffects) -> Result<Committed, QueueError> {
@@ -337,6 +265,93 @@ impl WorkQueue for SqliteQueue {
 
     async fn wait_reply(&self, id: Ulid, wait: Duration) -> Result<Option<Reply>, QueueError> {
         Ok(self.replies.wait(id, wait).await)
+    }
+}
+
+impl SqliteQueue {
+    /// Claim up to `max` ready items in journal order, passing over those of the flows in
+    /// `skip`, waiting in the writer up to `wait` for one.
+    async fn claim_passing(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: Duration,
+        skip: Option<std::sync::Arc<[String]>>,
+    ) -> Result<Vec<Claimed>, QueueError> {
+        // Always looks (an indexed LIMIT query): the ready count only bounds `add`, it never
+        // decides whether an item can be claimed. Finding nothing, the claim waits in the
+        // writer, which answers it by `wait` at the latest.
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(Msg::Job(Job::Claim(Waiter {
+                consumer: consumer.to_string(),
+                max,
+                deadline: std::time::Instant::now() + wait,
+                reply,
+                taken: Vec::new(),
+                skip,
+            })))
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))?;
+        let taken = rx
+            .await
+            .map_err(|_| QueueError::Unavailable("the SQLite writer has stopped".into()))??;
+        // Decoded here, off the writer's thread.
+        let mut out = Vec::with_capacity(taken.len());
+        for mut t in taken {
+            let cols = RowCols {
+                id: &t.id,
+                flow: std::mem::take(&mut t.flow),
+                deliveries: t.deliveries,
+                enqueued_at: t.enqueued_at,
+                // A claimed item is due now, whenever it was due.
+                due: None,
+            };
+            let item = match t.item.take() {
+                // As decoding its row would give it: counted delivered, due now.
+                Some(mut item) => {
+                    item.deliveries = t.deliveries;
+                    item.not_before = None;
+                    Ok(item)
+                }
+                None => decode(&t.body, cols),
+            };
+            match item {
+                Ok(item) => out.push(
+                    Claimed::new(item, t.lease, consumer, t.stepped)
+                        .with_receipt(Receipt::row(t.seq as u64)),
+                ),
+                Err(e) => {
+                    // A poison row: set aside with the reason; the ones around it go on.
+                    // If setting it aside fails, the items claimed with it are still handed
+                    // out (dropping them would strand them in flight); the poison row stays
+                    // in flight until a reclaim pass or the next start brings it back.
+                    tracing::error!(seq = t.seq, error = %e, "an item that cannot be decoded is dead-lettered");
+                    let reason = format!("undecodable item: {e}");
+                    let buried = self
+                        .write(move |c, w| {
+                            let n = c.cached(
+                            "UPDATE items SET st = 'dead', reason = ?3, at = ?4, consumer = NULL
+                             WHERE seq = ?1 AND st = 'in_flight' AND lease = ?2",
+                        )?
+                        .execute(params![
+                            t.seq,
+                            t.lease as i64,
+                            reason,
+                            now_ms()
+                        ])?;
+                            if n > 0 {
+                                w.flying.ended(t.seq);
+                            }
+                            Ok(())
+                        })
+                        .await;
+                    if let Err(e) = buried {
+                        tracing::warn!(seq = t.seq, error = %e, "could not dead-letter an undecodable item; it comes back after a reclaim pass or a restart");
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -763,6 +778,21 @@ impl From<SqliteQueue> for crate::Queue {
         crate::Queue::new(q.clone(), true)
             .with_claim_on_add(q.clone())
             .with_claims_wait(q.clone())
+            .with_skips_flows(q.clone())
             .with_closing(q)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::SkipsFlows for SqliteQueue {
+    async fn claim_skipping(
+        &self,
+        consumer: &str,
+        max: usize,
+        wait: Duration,
+        skip: std::sync::Arc<[String]>,
+    ) -> Result<Vec<Claimed>, QueueError> {
+        let skip = (!skip.is_empty()).then_some(skip);
+        self.claim_passing(consumer, max, wait, skip).await
     }
 }

@@ -92,7 +92,11 @@ pub(super) fn insert_all(c: &Db<'_>, w: &mut Writer, rows: &[Encoded]) -> Result
             None => {
                 w.ord += 1;
                 if w.ready == 0 {
-                    if let Some(x) = w.waiters.iter().position(Waiter::has_room) {
+                    if let Some(x) = w
+                        .waiters
+                        .iter()
+                        .position(|x| x.has_room() && x.takes(&row.flow))
+                    {
                         let ins = match &mut ins_claimed {
                             Some(s) => s,
                             None => ins_claimed.insert(c.cached(INSERT_CLAIMED_SQL)?),
@@ -589,15 +593,33 @@ pub(super) fn is_paused(c: &Db<'_>, flow: &str) -> Result<bool, QueueError> {
 pub(super) const CLAIM_SQL: &str = "SELECT seq, body, deliveries, stepped, id, flow, enqueued_at
     FROM items WHERE st = 'waiting' ORDER BY ord";
 
+/// As [`CLAIM_SQL`], passing over the ready items of the flows in `?1` (a JSON array).
+pub(super) const CLAIM_PASSING_SQL: &str =
+    "SELECT seq, body, deliveries, stepped, id, flow, enqueued_at
+    FROM items WHERE st = 'waiting' AND flow NOT IN (SELECT value FROM json_each(?1))
+    ORDER BY ord";
+
 pub(super) fn claim_ready(
     c: &Db<'_>,
     w: &mut Writer,
     consumer: &str,
     max: usize,
+    skip: Option<&[String]>,
 ) -> Result<Vec<Taken>, QueueError> {
-    let mut q = c.cached(CLAIM_SQL)?;
+    let skipped = match skip {
+        Some(s) => serde_json::to_string(s).map_err(|e| QueueError::Corrupt(e.to_string()))?,
+        None => String::new(),
+    };
+    let mut q = match skip {
+        Some(_) => c.cached(CLAIM_PASSING_SQL)?,
+        None => c.cached(CLAIM_SQL)?,
+    };
+    let args: &[&dyn rusqlite::ToSql] = match skip {
+        Some(_) => &[&skipped],
+        None => &[],
+    };
     let mut rows: Vec<Taken> = q
-        .query_map([], |r| {
+        .query_map(args, |r| {
             Ok(Taken {
                 seq: r.get(0)?,
                 lease: 0,

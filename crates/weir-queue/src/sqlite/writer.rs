@@ -134,7 +134,7 @@ pub(super) fn write_loop(
                     }
                     Job::Claim(x) => {
                         let got = guarded(&conn, &mut poison, || {
-                            claim_ready(&conn, &mut w, &x.consumer, x.max)
+                            claim_ready(&conn, &mut w, &x.consumer, x.max, x.skip.as_deref())
                         });
                         match got {
                             Ok(items)
@@ -355,14 +355,19 @@ pub(super) fn serve_waiters(
             continue;
         }
         let room = x.max - taken.len();
-        let got = guarded(conn, poison, || claim_ready(conn, w, &x.consumer, room));
+        let got = guarded(conn, poison, || {
+            claim_ready(conn, w, &x.consumer, room, x.skip.as_deref())
+        });
+        // A claim that passes over some flows finding too little says nothing of the
+        // claims after it.
+        let all = x.skip.is_none();
         match got {
             Ok(items) if items.is_empty() && taken.is_empty() => {
-                dry = true;
+                dry = all;
                 rest.push(x);
             }
             Ok(items) => {
-                dry = items.len() < room;
+                dry = all && items.len() < room;
                 taken.extend(items);
                 held.push(Held::Claim(x, Ok(taken)));
             }
