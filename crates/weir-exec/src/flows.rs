@@ -173,6 +173,11 @@ impl Flows {
         gone
     }
 
+    /// How many flows are loaded.
+    pub fn count(&self) -> usize {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
     pub fn get(&self, id: &str) -> Option<Arc<FlowRt>> {
         self.0
             .read()

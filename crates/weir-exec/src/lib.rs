@@ -383,9 +383,11 @@ impl Executor {
                 Ok(wait) => {
                     // Flows whose waves are all taken and as many more wait their turn: the
                     // claims pass over their ready items, so that another flow's next item
-                    // is not held up behind their backlog (where the backend can).
+                    // is not held up behind their backlog (where the backend can). With one
+                    // flow there is nothing to pass over to, and a claim that passes over
+                    // items still reads them.
                     let skip: Option<Arc<[String]>> = match self.queue.skips_flows() {
-                        Some(_) => {
+                        Some(_) if self.flows.count() > 1 => {
                             let full: Vec<String> = lanes
                                 .iter()
                                 .filter(|(flow, l)| {
@@ -400,7 +402,7 @@ impl Executor {
                                 .collect();
                             (!full.is_empty()).then(|| full.into())
                         }
-                        None => None,
+                        _ => None,
                     };
                     while claims.0.len() < ahead {
                         // The free permits shared among the claims still to be made.
@@ -426,7 +428,10 @@ impl Executor {
                             answer: None,
                             claim: Box::pin(async move {
                                 match (queue.skips_flows(), skip) {
+                                    // Not long: what it passes over is being worked on, and
+                                    // once that flow has room again it is claimed from too.
                                     (Some(s), Some(skip)) => {
+                                        let wait = wait.min(SKIPPING_WAIT);
                                         s.claim_skipping(&consumer, free, wait, skip).await
                                     }
                                     _ => queue.claim(&consumer, free, wait).await,
@@ -636,6 +641,10 @@ impl Executor {
         }
     }
 }
+
+/// The longest a claim that passes over some flows waits for work: the flows it passes over
+/// have room again as soon as their waves move on.
+const SKIPPING_WAIT: Duration = Duration::from_millis(5);
 
 /// Backoff for try `attempt` (1-based): base·2^(attempt-1), capped, with ±20% jitter (so
 /// items that failed together do not all come back together), never past the cap.
