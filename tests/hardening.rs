@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use weir_testkit::{start, WeirProcess};
 
+#[path = "support/tls.rs"]
+mod tls;
+
 const FLOW: &str = r#"
 id: f
 nodes:
@@ -447,20 +450,8 @@ impl Drop for TlsRedis {
 async fn rediss_connects_over_tls_and_verifies_the_server() {
     // A CA, and a server certificate for 127.0.0.1 signed by it.
     let certs = tempfile::tempdir().unwrap();
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-    params
-        .subject_alt_names
-        .push(rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap()));
-    let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+    tls::write_ca_and_server(certs.path());
     let path = |f: &str| certs.path().join(f).display().to_string();
-    std::fs::write(path("ca.pem"), ca.pem()).unwrap();
-    std::fs::write(path("server.pem"), cert.pem()).unwrap();
-    std::fs::write(path("server.key"), key.serialize_pem()).unwrap();
     let port = weir_queue::testing::free_port();
     let child = std::process::Command::new("redis-server")
         .args(["--port", "0", "--tls-port", &port.to_string()])

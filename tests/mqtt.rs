@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use weir::Failpoints;
+
+#[path = "support/tls.rs"]
+mod tls;
 use weir_testkit::{
     broker_label, eventually, get_json, start_with, until_subscribed, wait_for, Mosquitto,
     MqttPeer, WeirProcess,
@@ -324,26 +327,14 @@ nodes:
 async fn mqtts_with_a_ca_file() {
     // A CA, and a broker certificate for 127.0.0.1 signed by it.
     let certs = tempfile::tempdir().unwrap();
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-    params
-        .subject_alt_names
-        .push(rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap()));
-    let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+    tls::write_ca_and_server(certs.path());
     let path = |f: &str| certs.path().join(f).display().to_string();
-    std::fs::write(path("ca.pem"), ca.pem()).unwrap();
-    std::fs::write(path("broker.pem"), cert.pem()).unwrap();
-    std::fs::write(path("broker.key"), key.serialize_pem()).unwrap();
     let tls_port = weir_queue::testing::free_port();
     let broker = Mosquitto::start_with(&format!(
         "listener {tls_port} 127.0.0.1\ncafile {}\ncertfile {}\nkeyfile {}\n",
         path("ca.pem"),
-        path("broker.pem"),
-        path("broker.key")
+        path("server.pem"),
+        path("server.key")
     ));
     // The engine talks TLS; the test's own clients use the plain listener of the same broker.
     let url = format!("mqtts://127.0.0.1:{tls_port}?ca={}", path("ca.pem"));

@@ -121,11 +121,12 @@ async fn a_signed_timestamp_keeps_a_captured_request_from_being_replayed() {
     let flow = "nodes:\n  h: { type: webhook, path: signed, auth: { hmac_env: WEIR_TEST_HMAC_TS_KEY, timestamp: true } }\n";
     let e = start_on(MemoryQueue::new().into(), flow).await;
     let body = br#"{"order": 1}"#;
-    let sign = |ts: &str| -> String {
+    // `X-Weir-Signature` of `parts` one after another.
+    let signature = |parts: &[&[u8]]| -> String {
         let mut mac = Hmac::<sha2::Sha256>::new_from_slice(b"k3y").unwrap();
-        mac.update(ts.as_bytes());
-        mac.update(b".");
-        mac.update(body);
+        for p in parts {
+            mac.update(p);
+        }
         let hex: String = mac
             .finalize()
             .into_bytes()
@@ -134,6 +135,7 @@ async fn a_signed_timestamp_keeps_a_captured_request_from_being_replayed() {
             .collect();
         format!("sha256={hex}")
     };
+    let sign = |ts: &str| signature(&[ts.as_bytes(), b".", body]);
     let url = format!("http://{}/hooks/signed", e.addr);
     let post = |ts: Option<String>, sig: String| {
         let mut r = reqwest::Client::new()
@@ -149,17 +151,7 @@ async fn a_signed_timestamp_keeps_a_captured_request_from_being_replayed() {
     let now = (weir::now_ms() / 1000).to_string();
     assert_eq!(post(Some(now.clone()), sign(&now)).await, 202);
     // The body's signature alone, as without `timestamp`, is not enough.
-    let plain = {
-        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(b"k3y").unwrap();
-        mac.update(body);
-        let hex: String = mac
-            .finalize()
-            .into_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        format!("sha256={hex}")
-    };
+    let plain = signature(&[body]);
     assert_eq!(post(None, plain).await, 401);
     // Captured ten minutes ago: refused, though its signature is right.
     let old = (weir::now_ms() / 1000 - 600).to_string();
