@@ -204,3 +204,96 @@ async fn a_slow_flow_holds_up_no_other_on_sqlite() {
 async fn a_slow_flow_holds_up_no_other_on_memory() {
     a_slow_flows_backlog_holds_up_no_other_flow("memory").await;
 }
+
+/// A drop fails what waits on it: a `respond: wave` request waiting for an item cancelled by
+/// hand hears so at once, and a run whose item was cancelled before it ran failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_cancelled_by_hand_answers_its_waiting_request_and_fails_its_run() {
+    let flow = r#"
+id: later
+nodes:
+  hook: { type: webhook, path: later, respond: wave, timeout: 20s, to: [wait] }
+  go: { type: manual, to: [wait] }
+  wait: { type: delay, for: 1h, to: [r] }
+  r: { type: http-response, status: 200 }
+"#;
+    let e = weir_testkit::start(&[("later.yaml", flow)], weir::Failpoints::new()).await;
+    let base = format!("http://{}", e.admin_addr);
+    let url = format!("http://{}/hooks/later", e.addr);
+    let waiting = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(url)
+            .json(&json!(1))
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<serde_json::Value>().await.unwrap(),
+        )
+    });
+    let delayed = weir_testkit::eventually("the delay's timer", Duration::from_secs(10), || {
+        let e = &e;
+        async move {
+            let v = weir_testkit::get_json(e, "/api/queue?state=delayed").await;
+            match v[0]["item"]["id"].as_str() {
+                Some(id) => Ok(id.to_string()),
+                None => Err(v),
+            }
+        }
+    })
+    .await;
+    let http = reqwest::Client::new();
+    let r = http
+        .delete(format!("{base}/api/queue/{delayed}"))
+        .header("x-weir-client", "test")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (status, body) = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("answered at once, not at its 20 s timeout")
+        .unwrap();
+    assert_eq!(status, 409, "{body}");
+    assert!(body["error"]
+        .as_str()
+        .unwrap()
+        .contains("cancelled by hand"));
+
+    // A run of a paused flow parks its first item; cancelled, the run failed.
+    weir_testkit::post_admin(&e, "/api/flows/later/pause").await;
+    let run = http
+        .post(format!("{base}/api/flows/later/runs"))
+        .json(&json!(2))
+        .send()
+        .await
+        .unwrap()
+        .json::<serde_json::Value>()
+        .await
+        .unwrap()["run_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    weir_testkit::eventually("the run's item parked", Duration::from_secs(10), || {
+        let e = &e;
+        async move {
+            match weir_testkit::get_json(e, "/api/stats").await["parked"].as_u64() {
+                Some(1) => Ok(()),
+                other => Err(other),
+            }
+        }
+    })
+    .await;
+    let r = http
+        .delete(format!("{base}/api/queue/{run}"))
+        .header("x-weir-client", "test")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let rec = weir_testkit::get_json(&e, &format!("/api/runs/{run}")).await;
+    assert_eq!(rec["status"], "failed", "{rec}");
+    assert_eq!(rec["error"], "cancelled by hand", "{rec}");
+    e.shutdown().await;
+}

@@ -77,6 +77,11 @@ impl NodeCounts {
 }
 
 impl FlowRt {
+    /// Whether a `respond: wave` webhook at `node` waits for its items' answers.
+    pub fn answers_at(&self, node: &str) -> bool {
+        self.answering.iter().any(|n| n == node)
+    }
+
     pub fn new(flow: LoadedFlow) -> Self {
         let n = flow.nodes.len();
         let answering = flow

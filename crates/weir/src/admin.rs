@@ -236,14 +236,22 @@ async fn run_status(State(a): State<Admin>, Path(id): Path<String>) -> Response 
     }
     match item {
         Some(v) => {
+            // A first item ended by hand (cancelled, say) ended the run without its wave:
+            // the run failed, for that reason.
             let status = match &v.state {
                 weir_queue::ItemState::InFlight { .. } => "running",
                 weir_queue::ItemState::Dead { .. } => "failed",
-                weir_queue::ItemState::Finished { .. } => "done",
+                weir_queue::ItemState::Finished { outcome, .. } if outcome.starts_with("done") => {
+                    "done"
+                }
+                weir_queue::ItemState::Finished { .. } => "failed",
                 _ => "queued",
             };
             let error = match &v.state {
                 weir_queue::ItemState::Dead { reason, .. } => Some(reason.clone()),
+                weir_queue::ItemState::Finished { outcome, .. } if !outcome.starts_with("done") => {
+                    Some(outcome.clone())
+                }
                 _ => None,
             };
             Json(json!({ "run_id": id, "flow": v.item.flow, "status": status, "outputs": [], "error": error }))
@@ -363,9 +371,37 @@ async fn cancel(State(a): State<Admin>, Path(id): Path<String>) -> Response {
         Ok(i) => i,
         Err(r) => return r,
     };
+    let before = a.queue.admin().get(id).await.ok().flatten();
     match a.queue.admin().cancel(id).await {
-        Ok(()) => Json(json!({ "cancelled": id.to_string() })).into_response(),
+        Ok(()) => {
+            if let Some(v) = before {
+                answer_waiter(&a, &v.item, "cancelled by hand").await;
+            }
+            Json(json!({ "cancelled": id.to_string() })).into_response()
+        }
         Err(e) => err(e),
+    }
+}
+
+/// A `respond: wave` request may be waiting for the item just ended by hand: it hears so
+/// now (409, with the reason), not at its timeout.
+async fn answer_waiter(a: &Admin, item: &weir_queue::WorkItem, why: &str) {
+    let waited = item.awaited
+        || (item.origin_id.is_none()
+            && a.flows
+                .get(&item.flow)
+                .is_some_and(|f| f.answers_at(&item.node)));
+    if !waited {
+        return;
+    }
+    let reply = weir_queue::Reply {
+        status: 409,
+        headers: Vec::new(),
+        body: json!({ "id": item.root_id().to_string(), "error": format!("the event was {why}") })
+            .into(),
+    };
+    if let Err(e) = a.queue.post_reply(item.root_id(), reply).await {
+        tracing::warn!(item = %item.id, error = %e, "could not answer the request waiting for an item ended by hand");
     }
 }
 
