@@ -366,7 +366,7 @@ impl Executor {
                     )
                     .with_quotas(self.queue.quotas().map(|q| &**q as _))
                     .with_wires_out(run || !flow.graph.is_leaf(n))
-                    .with_deadline(std::time::Instant::now() + self.cfg.node_timeout);
+                    .with_timeout(self.cfg.node_timeout);
                     let r = match tokio::time::timeout(
                         self.cfg.node_timeout,
                         node.node.call_borrowed(&msg, &mut cx),
@@ -402,9 +402,10 @@ impl Executor {
                         if let Err(e) = marked {
                             tracing::warn!(flow = %item.flow, item = %item.id, node = %node.id, error = %e, "could not record a done marker; a redelivery may repeat this effect");
                         }
-                        if self
-                            .failpoints
-                            .hit(&format!("after:{}/{}", flow.id, node.id))
+                        if self.failpoints.any()
+                            && self
+                                .failpoints
+                                .hit(&format!("after:{}/{}", flow.id, node.id))
                         {
                             return Outcome::Abandon;
                         }

@@ -297,9 +297,10 @@ fn resolve_in(y: &mut Yaml, code: bool, report: &mut Report) {
                     );
                     return;
                 }
-                // Inside a template's `{{ }}` when the text so far opens one it has not closed.
+                // Inside a template's `{{ }}` when the text written before it (not the values
+                // put in, which may hold braces) opens one it has not closed.
                 let in_template = {
-                    let so_far = out.as_str();
+                    let so_far = &s[..s.len() - rest.len() + start];
                     so_far.rfind("{{") > so_far.rfind("}}")
                 };
                 match std::env::var(name) {
@@ -554,6 +555,17 @@ mod tests {
         assert_eq!(
             set.get("t").unwrap().1.as_str(),
             Some(r#"x/{{ "1); exit(\"owned\"); (\"" }}/y"#)
+        );
+        // A value that closes braces does not end the template for the next one.
+        std::env::set_var("FLOW_TEST_CLOSES", "}}");
+        let src = "nodes:\n  b:\n    type: set\n    set: { t: \"{{ ${FLOW_TEST_CLOSES} + ${FLOW_TEST_CODE} }}\" }\n";
+        let mut r = Report::new("f.yaml");
+        let doc = parse_flow(src, "f", &mut r).unwrap();
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        let set = doc.nodes[0].body.get("set").unwrap().1;
+        assert_eq!(
+            set.get("t").unwrap().1.as_str(),
+            Some(r#"{{ "}}" + "1); exit(\"owned\"); (\"" }}"#)
         );
         for (text, says) in [
             (

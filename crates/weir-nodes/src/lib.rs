@@ -131,7 +131,7 @@ pub struct NodeCx<'a> {
     replies: &'a mut Vec<Reply>,
     dead: &'a mut Vec<(WorkItem, String)>,
     wires_out: bool,
-    deadline: Option<std::time::Instant>,
+    timeout: Option<std::time::Duration>,
 }
 
 /// What a wave collects from its nodes besides state: items to schedule, replies to post,
@@ -163,20 +163,20 @@ impl<'a> NodeCx<'a> {
             replies: &mut out.replies,
             dead: &mut out.dead,
             wires_out: true,
-            deadline: None,
+            timeout: None,
         }
     }
 
-    /// When this call times out: a script the node runs is stopped then (it cannot be
-    /// interrupted from outside, as an awaiting node is).
-    pub fn with_deadline(mut self, at: std::time::Instant) -> Self {
-        self.deadline = Some(at);
+    /// How long this call may take: a script the node runs is stopped once it has run that
+    /// long (it cannot be interrupted from outside, as an awaiting node is).
+    pub fn with_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.timeout = Some(timeout);
         self
     }
 
-    /// When this call times out, if the executor said.
-    pub fn deadline(&self) -> Option<std::time::Instant> {
-        self.deadline
+    /// How long this call may take, if the executor said.
+    pub fn timeout(&self) -> Option<std::time::Duration> {
+        self.timeout
     }
 
     /// Say whether any of the node's output ports is wired to another node (by default,

@@ -130,7 +130,8 @@ pub fn running<T>(cx: &NodeCx<'_>, f: impl FnOnce() -> T) -> T {
         r.node.clear();
         r.node.push_str(cx.node);
         r.item = Some(cx.item.id);
-        r.deadline = cx.deadline();
+        // The clock is read only where a script runs, not for every node call.
+        r.deadline = cx.timeout().map(|t| Instant::now() + t);
     });
     let _done = Done;
     f()

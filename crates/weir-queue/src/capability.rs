@@ -100,8 +100,6 @@ pub(crate) fn dead_matches(v: &ItemView, flow: Option<&str>, reason: Option<&str
 pub trait Pausing: Send + Sync {
     async fn set_paused(&self, flow: &str, paused: bool) -> Result<(), QueueError>;
     async fn is_paused(&self, flow: &str) -> Result<bool, QueueError>;
-    /// Make every parked item of `flow` ready, oldest first; returns how many.
-    async fn unpark(&self, flow: &str) -> Result<usize, QueueError>;
     /// Resume `flow` in one step: it is no longer paused and its parked items are ready,
     /// oldest first, at once, so that nothing arriving meanwhile runs before them. Returns
     /// how many were parked.

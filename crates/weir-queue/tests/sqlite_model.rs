@@ -24,7 +24,7 @@ enum Op {
     Reclaim,
     Crash,
     Pause(bool),
-    Unpark,
+    Resume,
     Replay,
 }
 
@@ -38,7 +38,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Reclaim),
         1 => Just(Op::Crash),
         1 => any::<bool>().prop_map(Op::Pause),
-        1 => Just(Op::Unpark),
+        1 => Just(Op::Resume),
         1 => Just(Op::Replay),
     ]
 }
@@ -152,22 +152,14 @@ async fn run(ops: Vec<Op>) {
                 q.set_paused("f", p).await.unwrap();
                 m.paused = p;
             }
-            Op::Unpark => {
-                let n = q.unpark("f").await.unwrap();
-                let mut parked: Vec<_> = m
-                    .items
-                    .iter()
-                    .filter(|(_, v)| v.0 == St::Parked)
-                    .map(|(id, v)| (v.1, *id))
-                    .collect();
-                parked.sort();
-                assert_eq!(n, parked.len());
-                for (_, id) in parked {
-                    m.ord += 1;
-                    let o = m.ord;
-                    let e = m.items.get_mut(&id).unwrap();
-                    e.0 = St::Waiting;
-                    e.1 = o;
+            Op::Resume => {
+                // One step: no longer paused, and the parked items waiting again at their
+                // places in the ready order.
+                let n = q.resume("f").await.unwrap();
+                assert_eq!(n, m.count(St::Parked));
+                m.paused = false;
+                for v in m.items.values_mut().filter(|v| v.0 == St::Parked) {
+                    v.0 = St::Waiting;
                 }
             }
             Op::Replay => {

@@ -357,7 +357,8 @@ pub fn idempotency_key(flow: &str, node: &str, key: &[u8]) -> String {
     out.push_str(node);
     out.push(':');
     for b in hash {
-        out.push_str(&format!("{b:02x}"));
+        use std::fmt::Write;
+        let _ = write!(out, "{b:02x}");
     }
     out
 }

@@ -266,7 +266,14 @@ async fn run_status(State(a): State<Admin>, Path(id): Path<String>) -> Response 
 }
 
 async fn reload_flows(State(a): State<Admin>) -> Response {
-    match a.reload.reload().await {
+    // A task of its own: a reload half done (flows swapped, a removed flow's backlog half
+    // set aside) is never cut off by the request's timeout or a client that hangs up.
+    let reload = a.reload.clone();
+    let done = match tokio::spawn(async move { reload.reload().await }).await {
+        Ok(r) => r,
+        Err(e) => Err(vec![format!("the reload stopped: {e}")]),
+    };
+    match done {
         Ok(report) => Json(report).into_response(),
         Err(errors) => (
             StatusCode::UNPROCESSABLE_ENTITY,

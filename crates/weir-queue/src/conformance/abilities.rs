@@ -89,8 +89,7 @@ pub async fn park_unpark_and_step(q: Q, _fp: Failpoints) {
     q.commit(&c[0], WaveEffects::ending(End::Ack))
         .await
         .unwrap();
-    q.pausing().set_paused("f", false).await.unwrap();
-    assert_eq!(q.pausing().unpark("f").await.unwrap(), 3);
+    assert_eq!(q.pausing().resume("f").await.unwrap(), 3);
     let c = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(
         c.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),
@@ -345,8 +344,7 @@ pub async fn clear_flow_drops_only_that_flows_pending_items(q: Q, _fp: Failpoint
         2,
         "the parked and the delayed"
     );
-    q.pausing().set_paused("f", false).await.unwrap();
-    assert_eq!(q.pausing().unpark("f").await.unwrap(), 0);
+    assert_eq!(q.pausing().resume("f").await.unwrap(), 0);
     let left = q.claim("a", 10, Duration::ZERO).await.unwrap();
     assert_eq!(
         left.iter().map(|c| payload(&c.item)).collect::<Vec<_>>(),

@@ -251,12 +251,6 @@ impl crate::Pausing for MemoryQueue {
         Ok(self.lock().paused.contains(flow))
     }
 
-    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
-        let n = self.lock().release_parked(flow);
-        self.ready.notify_waiters();
-        Ok(n)
-    }
-
     async fn resume(&self, flow: &str) -> Result<usize, QueueError> {
         let n = {
             let mut g = self.lock();

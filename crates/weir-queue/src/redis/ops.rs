@@ -737,11 +737,6 @@ impl crate::Pausing for RedisQueue {
             .map_err(unavailable)
     }
 
-    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
-        self.run(&self.scripts.unpark, self.prefix_of(flow), &[&flow])
-            .await
-    }
-
     async fn resume(&self, flow: &str) -> Result<usize, QueueError> {
         self.run(&self.scripts.resume, self.prefix_of(flow), &[&flow])
             .await

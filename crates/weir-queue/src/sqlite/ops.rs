@@ -704,19 +704,6 @@ impl crate::Pausing for SqliteQueue {
             .contains(flow))
     }
 
-    async fn unpark(&self, flow: &str) -> Result<usize, QueueError> {
-        let flow = flow.to_string();
-        self.write(move |c, w| {
-            make_ready(
-                c,
-                w,
-                "SELECT seq FROM items WHERE flow = ?1 AND st = 'parked' ORDER BY ord",
-                [&flow],
-            )
-        })
-        .await
-    }
-
     async fn resume(&self, flow: &str) -> Result<usize, QueueError> {
         let name = flow.to_string();
         let _one_at_a_time = self.pausing.lock().await;
