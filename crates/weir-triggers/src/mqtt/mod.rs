@@ -304,6 +304,10 @@ async fn journal(
                 }
                 again
             });
+            // Only oversized messages: nothing to journal, only their acks to send.
+            if items.is_empty() {
+                break;
+            }
             match queue.add(items).await {
                 Ok(()) => {
                     let journaled = batch.iter().filter(|a| !a.oversized).count();
